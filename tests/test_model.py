@@ -258,7 +258,7 @@ def test_a_small_looped_model_overfits_one_batch():
 def test_looped_forward_compiles_without_graph_breaks():
     m = tiny(norm_penalty=0.01, inter_loop_norm='rmsnorm')
     idx, tgt = batch()
-    for R in (1, 2, 3, 5):
+    for R in (1, 2):
         for args in ((idx, tgt), (idx,)):
             for grad in (True, False):
                 with torch.set_grad_enabled(grad):
@@ -288,7 +288,7 @@ def test_cached_decoding_equals_full_recompute(kw):
     m = tiny(**kw).eval()
     idx, _ = batch(B=2)
     # 4 prompt tokens + 30 new tokens runs past block_size 16, so the cache is also rebuilt after the crop
-    for n_loop in (None, 1, 5):
+    for n_loop in (None, 5):
         fast = m.generate(idx[:, :4], 30, temperature=0, n_loop=n_loop)
         slow = m.generate(idx[:, :4], 30, temperature=0, n_loop=n_loop, use_cache=False)
         assert torch.equal(fast, slow), n_loop
