@@ -1,0 +1,283 @@
+"""
+Prepare a dataset: read text, tokenize it, write flat token files, as in nanoGPT's data/*/prepare.py.
+
+    python prepare.py shakespeare_char                         # characters (65 symbols), nanoGPT's 90/10 split
+    python prepare.py shakespeare                              # GPT-2 BPE via tiktoken
+    python prepare.py wikitext103                              # Hugging Face `datasets` (pip install datasets)
+    python prepare.py fineweb_edu --num_docs 100000            # streams FineWeb-Edu sample-10BT
+    python prepare.py gutenberg --input ../shared/data/gutenberg --tokenizer gpt2   # any .txt file or folder
+
+Writes data/<dataset>/train.bin and val.bin (flat token ids: uint16, or uint32 when the vocabulary has
+65536 or more entries) and meta.json: dataset, tokenizer, vocab_size, dtype, train_tokens, val_tokens, and
+itos (id -> character) for the char tokenizer. `get_tokenizer(meta)` turns meta.json back into
+encode/decode; train.py calls `prepare(...)` when data/shakespeare_char is missing.
+"""
+import argparse
+import itertools
+import json
+import os
+import urllib.request
+
+import numpy as np
+
+from common import die, first_line
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+SHARED_DATA = os.path.join(REPO, '..', 'shared', 'data')  # offline copies beside the repo, if there
+# tiktoken looks for its GPT-2 files in TIKTOKEN_CACHE_DIR before going online (shared/data/README.md)
+if os.path.isdir(os.path.join(SHARED_DATA, 'tiktoken_cache')):
+    os.environ.setdefault('TIKTOKEN_CACHE_DIR', os.path.join(SHARED_DATA, 'tiktoken_cache'))
+
+SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
+SHAKESPEARE_LOCAL = os.path.join(SHARED_DATA, 'tinyshakespeare', 'input.txt')
+TEXT_DATASETS = {'shakespeare_char': 'char', 'shakespeare': 'gpt2'}  # tinyshakespeare, two tokenizers
+HF_DATASETS = ('wikitext103', 'fineweb_edu')                         # GPT-2 BPE, via Hugging Face `datasets`
+TOKENIZERS = ('char', 'gpt2')
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+def gpt2_encoding():
+    import tiktoken
+    try:
+        return tiktoken.get_encoding('gpt2')
+    except Exception as e:  # offline with no cache: requests' ConnectionError, many lines long
+        die(f"could not load tiktoken's GPT-2 files ({type(e).__name__}); offline, set "
+            f"TIKTOKEN_CACHE_DIR=../shared/data/tiktoken_cache")
+
+def get_tokenizer(meta):
+    """meta.json dict -> (encode: str -> list[int], decode: list[int] -> str)"""
+    if meta['tokenizer'] == 'char':
+        itos = meta['itos']
+        stoi = {ch: i for i, ch in enumerate(itos)}
+        def encode(s):
+            unknown = sorted(set(s) - stoi.keys())
+            if unknown:
+                raise ValueError(f"{len(unknown)} character(s) not in the {meta['dataset']} vocabulary: "
+                                 f"{''.join(unknown[:10])!r}")
+            return [stoi[c] for c in s]
+        # ids past the vocabulary (a model trained with a larger vocab_size than the data's) have no text
+        return encode, lambda ids: ''.join(itos[i] for i in ids if i < len(itos))
+    if meta['tokenizer'] == 'gpt2':
+        enc = gpt2_encoding()
+        encode = lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})
+        # a model may pad its vocabulary past 50257 (nanoGPT uses 50304 for speed); those ids have no text
+        decode = lambda ids: enc.decode([i for i in ids if i < enc.n_vocab])
+        return encode, decode
+    raise ValueError(f"tokenizer={meta['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}")
+
+def token_dtype(vocab_size):
+    # uint16 holds ids 0..65535; a bigger vocabulary needs 4 bytes per token
+    return 'uint16' if vocab_size < 2**16 else 'uint32'
+
+# -----------------------------------------------------------------------------
+# reading text
+
+def read_text(path):
+    """A .txt file, or a folder of them (sorted by name, joined). CRLF -> LF: '\\r\\n' would cost a token."""
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith('.txt'))
+        if not files:
+            die(f"--input {path}: folder has no .txt files")
+        parts = [read_text(os.path.join(path, f)) for f in files]
+        return ''.join(p if p.endswith('\n') else p + '\n' for p in parts)
+    if not os.path.isfile(path):
+        die(f"--input {path}: no such file or folder")
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read().replace('\r\n', '\n')
+    except UnicodeDecodeError as e:
+        die(f"--input {path}: not UTF-8 text ({e.reason} at byte {e.start})")
+
+def shakespeare_path(out_dir, dataset):
+    """The offline copy in ../shared if there, else out_dir/<dataset>/input.txt, downloaded once (as nanoGPT)."""
+    if os.path.isfile(SHAKESPEARE_LOCAL):
+        return SHAKESPEARE_LOCAL
+    path = os.path.join(out_dir, dataset, 'input.txt')
+    if not os.path.isfile(path):
+        print(f"downloading {SHAKESPEARE_URL}")
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
+                data = r.read()
+        except OSError as e:
+            die(f"could not download tinyshakespeare ({e}); offline, pass --input PATH to a copy of input.txt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + '.tmp', 'wb') as f:
+            f.write(data)
+        os.replace(path + '.tmp', path)
+    return path
+
+# -----------------------------------------------------------------------------
+# writing token files
+
+class TokenWriter:
+    """Appends token ids to a .bin file; the file appears under its real name only when closed complete."""
+    def __init__(self, path, dtype):
+        self.path, self.dtype, self.count = path, np.dtype(dtype), 0
+        self.f = open(path + '.tmp', 'wb')
+
+    def write(self, ids):
+        arr = np.asarray(ids, dtype=np.int64)
+        assert arr.size == 0 or (arr.min() >= 0 and arr.max() <= np.iinfo(self.dtype).max), 'id out of dtype range'
+        self.f.write(arr.astype(self.dtype).tobytes())
+        self.count += arr.size
+
+    def close(self):
+        self.f.close()
+        os.replace(self.path + '.tmp', self.path)
+        return self.count
+
+def write_meta(dataset, out_dir, meta):
+    """meta.json is written last: its presence says the .bin files beside it are complete."""
+    folder = os.path.join(out_dir, dataset)
+    for split in ('train', 'val'):
+        n = meta[f'{split}_tokens']
+        if n == 0:
+            die(f"{dataset}: the {split} split is empty; give more text or change --val_fraction")
+        print(f"{split}.bin: {n:,} tokens ({meta['dtype']}, {n * np.dtype(meta['dtype']).itemsize / 2**20:.1f} MiB)")
+    with open(os.path.join(folder, 'meta.json.tmp'), 'w', encoding='utf-8') as f:
+        json.dump(meta, f, ensure_ascii=False)
+    os.replace(os.path.join(folder, 'meta.json.tmp'), os.path.join(folder, 'meta.json'))
+    print(f"wrote {folder}: vocab_size {meta['vocab_size']:,}, tokenizer {meta['tokenizer']}")
+    return meta
+
+def start_folder(out_dir, dataset):
+    # a meta.json left from an earlier run must not vouch for the .bin files about to be rewritten
+    folder = os.path.join(out_dir, dataset)
+    os.makedirs(folder, exist_ok=True)
+    if os.path.exists(os.path.join(folder, 'meta.json')):
+        os.remove(os.path.join(folder, 'meta.json'))
+    return folder
+
+def write_dataset(dataset, out_dir, tokenizer, vocab_size, splits, itos=None):
+    """splits: {'train': iterable of id lists, 'val': ...} -> writes the .bin files and meta.json, returns meta"""
+    start_folder(out_dir, dataset)
+    meta = dict(dataset=dataset, tokenizer=tokenizer, vocab_size=vocab_size, dtype=token_dtype(vocab_size))
+    for split, chunks in splits.items():
+        w = TokenWriter(os.path.join(out_dir, dataset, f'{split}.bin'), meta['dtype'])
+        for ids in chunks:
+            w.write(ids)
+        meta[f'{split}_tokens'] = w.close()
+    if itos is not None:
+        meta['itos'] = itos
+    return write_meta(dataset, out_dir, meta)
+
+def prepare_text(dataset, text, tokenizer, out_dir, val_fraction):
+    """One text, split by characters as nanoGPT does: the first (1 - val_fraction) trains, the rest validates."""
+    if not text:
+        die(f"{dataset}: the input text is empty")
+    n = len(text)
+    train_text, val_text = text[:int(n * (1 - val_fraction))], text[int(n * (1 - val_fraction)):]
+    print(f"{dataset}: {n:,} characters, {len(train_text):,} train / {len(val_text):,} val")
+    if not train_text or not val_text:
+        die(f"{dataset}: {n} characters leave the {'val' if train_text else 'train'} split empty; "
+            f"give more text or change --val_fraction")
+    if tokenizer == 'char':
+        itos = sorted(set(text))                  # the vocabulary is every character that occurs
+        stoi = {ch: i for i, ch in enumerate(itos)}
+        encode = lambda s: [stoi[c] for c in s]
+        return write_dataset(dataset, out_dir, 'char', len(itos),
+                             {'train': [encode(train_text)], 'val': [encode(val_text)]}, itos=itos)
+    enc = gpt2_encoding()
+    return write_dataset(dataset, out_dir, 'gpt2', enc.n_vocab,
+                         {'train': [enc.encode_ordinary(train_text)], 'val': [enc.encode_ordinary(val_text)]})
+
+# -----------------------------------------------------------------------------
+# Hugging Face datasets: WikiText-103 (paper 1) and FineWeb-Edu (paper 2), GPT-2 BPE
+
+def load_hf():
+    try:
+        import datasets
+    except ImportError:
+        die("wikitext103 and fineweb_edu need the Hugging Face datasets package: pip install datasets")
+    return datasets
+
+def hf_load(datasets, *args, **kwargs):
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as e:  # network, hub or cache trouble: keep it to one line
+        die(f"datasets.load_dataset{args}: {first_line(e)}")
+
+def batched(rows, n):
+    batch = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+def prepare_wikitext103(out_dir):
+    from tqdm import tqdm
+    datasets = load_hf()
+    enc = gpt2_encoding()
+    def chunks(split):
+        ds = hf_load(datasets, 'Salesforce/wikitext', 'wikitext-103-raw-v1', split=split)
+        # rows are lines of one long text (articles are not marked), so join rows rather than add EOT tokens;
+        # encoding 1024 lines at a time keeps memory flat and changes at most a token at a chunk edge
+        for rows in batched(tqdm(ds, total=len(ds), desc=f'wikitext103 {split}', unit='line'), 1024):
+            yield enc.encode_ordinary(''.join(row['text'] for row in rows))
+    return write_dataset('wikitext103', out_dir, 'gpt2', enc.n_vocab,
+                         {'train': chunks('train'), 'val': chunks('validation')})
+
+def prepare_fineweb_edu(out_dir, val_fraction, num_docs):
+    from tqdm import tqdm
+    datasets = load_hf()
+    enc = gpt2_encoding()
+    ds = hf_load(datasets, 'HuggingFaceFW/fineweb-edu', name='sample-10BT', split='train', streaming=True)
+    # one pass over the stream feeds both files: document i goes to val when floor((i+1)*f) > floor(i*f),
+    # which sends exactly a fraction f of the documents to val, spread evenly, without knowing the total
+    folder = start_folder(out_dir, 'fineweb_edu')
+    writers = {s: TokenWriter(os.path.join(folder, f'{s}.bin'), token_dtype(enc.n_vocab)) for s in ('train', 'val')}
+    for i, doc in enumerate(tqdm(itertools.islice(ds, num_docs), total=num_docs, desc='fineweb_edu', unit='doc')):
+        split = 'val' if int((i + 1) * val_fraction) > int(i * val_fraction) else 'train'
+        writers[split].write(enc.encode_ordinary(doc['text']) + [enc.eot_token])  # EOT ends each document
+    meta = dict(dataset='fineweb_edu', tokenizer='gpt2', vocab_size=enc.n_vocab, dtype=token_dtype(enc.n_vocab))
+    meta.update({f'{s}_tokens': w.close() for s, w in writers.items()})
+    return write_meta('fineweb_edu', out_dir, meta)
+
+# -----------------------------------------------------------------------------
+
+def prepare(dataset, input_path=None, tokenizer=None, out_dir='data', val_fraction=0.1, num_docs=None):
+    """Write out_dir/<dataset>/{train,val}.bin and meta.json; returns the meta dict."""
+    if not (0 < val_fraction < 1):
+        die(f"--val_fraction={val_fraction}: must be between 0 and 1")
+    if num_docs is not None and num_docs < 1:
+        die(f"--num_docs={num_docs}: must be >= 1")
+    if tokenizer is not None and tokenizer not in TOKENIZERS:
+        die(f"--tokenizer={tokenizer}: choose one of {', '.join(TOKENIZERS)}")
+    if not dataset or os.path.basename(dataset) != dataset or dataset in ('.', '..'):
+        die(f"dataset {dataset!r}: give a plain folder name like shakespeare_char")
+    if input_path is not None:  # your own text: the name is only the folder under out_dir
+        return prepare_text(dataset, read_text(input_path), tokenizer or TEXT_DATASETS.get(dataset, 'gpt2'),
+                            out_dir, val_fraction)
+    if dataset in TEXT_DATASETS:
+        return prepare_text(dataset, read_text(shakespeare_path(out_dir, dataset)), tokenizer or TEXT_DATASETS[dataset],
+                            out_dir, val_fraction)
+    if dataset in HF_DATASETS:
+        if tokenizer == 'char':
+            die(f"--tokenizer=char: {dataset} is prepared with gpt2 only")
+        if dataset == 'wikitext103':
+            return prepare_wikitext103(out_dir)  # it has its own validation split
+        return prepare_fineweb_edu(out_dir, val_fraction, num_docs)
+    die(f"unknown dataset {dataset!r}: choose one of {', '.join([*TEXT_DATASETS, *HF_DATASETS])}, "
+        f"or give --input PATH (a .txt file or folder) for your own text")
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        die(f"{message} (see python {self.prog} --help)")
+
+def main(argv=None):
+    p = Parser(prog='prepare.py', allow_abbrev=False, description=__doc__.split('\n\n')[0].strip())
+    p.add_argument('dataset', help=f"{', '.join([*TEXT_DATASETS, *HF_DATASETS])}, or a name for --input text")
+    p.add_argument('--input', default=None, help='a UTF-8 .txt file, or a folder of them')
+    p.add_argument('--tokenizer', default=None, help='char or gpt2 (default: the dataset\'s own; gpt2 for --input)')
+    p.add_argument('--out_dir', default='data', help='writes OUT_DIR/DATASET/{train,val}.bin and meta.json')
+    p.add_argument('--val_fraction', type=float, default=0.1, help='share of the text (or documents) held out')
+    p.add_argument('--num_docs', type=int, default=None, help='fineweb_edu: stop after this many documents')
+    args = p.parse_args(argv)
+    prepare(args.dataset, args.input, args.tokenizer, args.out_dir, args.val_fraction, args.num_docs)
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,146 @@
+"""
+Sample from a trained looped GPT, as nanoGPT's sample.py does.
+
+    python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3
+    python sample.py --out_dir=out-shakespeare-char --n_loop=2             # fixed exit: every token stops at loop 2
+    python sample.py --out_dir=out-shakespeare-char --exit_threshold=0.9   # adaptive exit: first confident loop
+    python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt
+
+The tokenizer comes from data/<dataset>/meta.json (the dataset is named in the checkpoint), or --meta PATH.
+"""
+import argparse
+import difflib
+import os
+from contextlib import nullcontext
+
+import torch
+
+from common import die, load_checkpoint, load_meta, build_model
+from prepare import get_tokenizer
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on stderr, not argparse's usage block
+        if 'unrecognized arguments' in message:
+            flags = [o for a in self._actions for o in a.option_strings if o.startswith('--')]
+            bad = message.split(':', 1)[1].split()[0].split('=')[0]
+            near = difflib.get_close_matches(bad, flags, n=1)
+            message += f"; did you mean {near[0]}?" if near else ''
+        die(f"{message} (see python sample.py --help)")
+
+p = Parser(prog='sample.py', allow_abbrev=False, description='Sample from a trained looped GPT.')
+p.add_argument('--out_dir', default='out', help='folder holding ckpt.pt (or the path of a checkpoint file)')
+p.add_argument('--start', default='\n', help='prompt text, or FILE:path to read the prompt from a file')
+p.add_argument('--num_samples', type=int, default=3, help='number of samples to draw')
+p.add_argument('--max_new_tokens', type=int, default=500, help='tokens generated per sample')
+p.add_argument('--temperature', type=float, default=0.8, help='1.0 = as trained, < 1 sharper, 0 = greedy')
+p.add_argument('--top_k', type=int, default=200, help='keep only the top_k most likely tokens (0 = all)')
+p.add_argument('--seed', type=int, default=1337)
+p.add_argument('--device', default='auto', help="'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'")
+p.add_argument('--n_loop', type=int, default=None, help='loops per token (default: R from training); fewer = '
+               'early exit, more = extrapolation; with --exit_threshold, the most loops a token may use')
+p.add_argument('--exit_threshold', type=float, default=None,
+               help='adaptive exit: a token stops at the first loop whose confidence reaches this')
+p.add_argument('--exit_policy', default='maxprob', choices=['maxprob', 'margin'],
+               help='confidence for adaptive exit: max softmax prob, or top1 - top2 logit margin')
+p.add_argument('--meta', default=None, help='a meta.json (or its folder) to decode with; default: '
+               'data/<dataset>/meta.json, else the copy in the checkpoint')
+
+
+def tokenizer_meta(args, ckpt, ckpt_path):
+    """The meta.json to decode with: --meta, else data/<dataset>/meta.json, else the copy train.py keeps in the
+    checkpoint. A meta.json must agree with the checkpoint: other tokens would decode to nonsense."""
+    dataset, saved = ckpt.get('dataset', '?'), ckpt.get('meta') or {}
+    path = args.meta or os.path.join('data', dataset)
+    if not args.meta and not os.path.isfile(os.path.join(path, 'meta.json')) and 'tokenizer' in saved:
+        return {'dataset': dataset, **saved}
+    if os.path.isfile(path) and os.path.basename(path) != 'meta.json':
+        die(f"--meta={path}: give a meta.json written by prepare.py, or the folder holding it")
+    meta = load_meta(os.path.dirname(path) if os.path.basename(path) == 'meta.json' else path)  # checks it
+    differ = [k for k in ('tokenizer', 'vocab_size', 'itos') if k in saved and saved[k] != meta.get(k)]
+    model_vocab = ckpt['model_args'].get('vocab_size')
+    if differ or not isinstance(model_vocab, int) or meta['vocab_size'] > model_vocab:
+        die(f"{path} disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: meta.json has vocab_size "
+            f"{meta['vocab_size']}, the model {model_vocab}; it was trained on {dataset}); pass that dataset's "
+            f"meta.json with --meta")
+    return meta
+
+
+def read_start(start):
+    if not start.startswith('FILE:'):
+        return start
+    path = start[len('FILE:'):]
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        die(f"--start FILE:{path}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
+
+
+def main(argv=None):
+    args = p.parse_args(argv)
+    for name, ok in [('num_samples', args.num_samples >= 1), ('max_new_tokens', args.max_new_tokens >= 0),
+                     ('temperature', args.temperature >= 0), ('top_k', args.top_k >= 0),
+                     ('n_loop', args.n_loop is None or args.n_loop >= 1),
+                     ('exit_threshold', args.exit_threshold is None or args.exit_threshold >= 0)]:
+        if not ok:
+            die(f"--{name}={getattr(args, name)}: must be {'>= 1' if name in ('num_samples', 'n_loop') else '>= 0'}")
+    start = read_start(args.start)  # before the (slow) checkpoint load: a typo in the path fails at once
+
+    device = args.device
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        die(f"--device={device}: not a torch device; use auto, cpu, cuda, cuda:N or mps")
+    if device_type not in ('cpu', 'cuda', 'mps') or (device_type == 'cuda' and not torch.cuda.is_available()) \
+            or (device_type == 'mps' and not torch.backends.mps.is_available()):
+        die(f"--device={device}: not available on this machine; use --device=cpu or auto")
+    torch.manual_seed(args.seed)
+    if device_type == 'cuda':
+        torch.cuda.manual_seed(args.seed)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    ptdtype = torch.bfloat16 if device_type == 'cuda' and torch.cuda.is_bf16_supported() else torch.float16
+    ctx = nullcontext() if device_type != 'cuda' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+    ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt = load_checkpoint(ckpt_path, 'cpu')  # weights go to the device with the model, below
+    meta = tokenizer_meta(args, ckpt, ckpt_path)
+    encode, decode = get_tokenizer(meta)
+    try:
+        start_ids = encode(start)
+    except ValueError as e:
+        die(f"--start: {e}")
+    if not start_ids:
+        die("--start: the prompt is empty (give some text, e.g. --start='\\n')")
+    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]  # (1, T)
+
+    model = build_model(ckpt)
+    model.eval()
+    model.to(device)
+    del ckpt  # the optimizer state is not needed to sample
+
+    R = model.config.n_loop if args.n_loop is None else args.n_loop
+    mode = (f"adaptive exit ({args.exit_policy} >= {args.exit_threshold}, at most {R} loops)"
+            if args.exit_threshold is not None else f"fixed exit at loop {R}")
+    print(f"sampling {args.num_samples} x {args.max_new_tokens} tokens, {mode}, trained with "
+          f"n_loop={model.config.n_loop}, {device}")
+    loops = []
+    with torch.no_grad(), ctx:
+        for _ in range(args.num_samples):
+            y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                               n_loop=R, exit_threshold=args.exit_threshold, exit_policy=args.exit_policy)
+            print(decode(y[0].tolist()))
+            print('---------------')
+            loops.append(model.last_loops_used.float().flatten())
+    if args.exit_threshold is not None and args.max_new_tokens > 0:
+        # counts the generated tokens only (the prompt always runs all R loops)
+        used = torch.cat(loops)
+        print(f"mean loops used per token: {used.mean().item():.2f} of {R} "
+              f"(min {used.min().item():.0f}, max {used.max().item():.0f}, {used.numel()} tokens)")
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,255 @@
+"""prepare.py: every loading path on real local text, the uint32 path, and Hugging Face via a fake `datasets`."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import prepare
+from prepare import get_tokenizer, token_dtype
+
+
+def load(folder):
+    meta = json.loads((folder / 'meta.json').read_text(encoding='utf-8'))
+    train = np.fromfile(folder / 'train.bin', dtype=meta['dtype'])
+    val = np.fromfile(folder / 'val.bin', dtype=meta['dtype'])
+    return meta, train, val
+
+
+def load_prepared(dataset, tmp_path, **kw):
+    prepare.prepare(dataset, out_dir=str(tmp_path / 'data'), **kw)
+    return load(tmp_path / 'data' / dataset)
+
+
+def one_line_error(capsys, excinfo):
+    err = capsys.readouterr().err
+    assert excinfo.value.code not in (0, None)
+    assert err.startswith('error: ') and err.count('\n') == 1, err
+    return err
+
+
+# ---- tinyshakespeare, the two tokenizers ----
+
+def test_shakespeare_char_reproduces_nanogpt_split(shared_dir, tmp_path):
+    meta, train, val = load_prepared('shakespeare_char', tmp_path)
+    # nanoGPT's data/shakespeare_char/prepare.py prints exactly these numbers
+    assert meta['vocab_size'] == 65 and meta['tokenizer'] == 'char' and meta['dtype'] == 'uint16'
+    assert (len(train), len(val)) == (1_003_854, 111_540)
+    assert (meta['train_tokens'], meta['val_tokens']) == (len(train), len(val))
+    encode, decode = get_tokenizer(meta)
+    text = (shared_dir / 'data' / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')
+    assert decode(train.tolist()) + decode(val.tolist()) == text      # lossless round trip
+
+
+def test_shakespeare_gpt2_token_counts(shared_dir, tmp_path):
+    meta, train, val = load_prepared('shakespeare', tmp_path)
+    assert meta['vocab_size'] == 50257 and meta['tokenizer'] == 'gpt2' and meta['dtype'] == 'uint16'
+    assert (len(train), len(val)) == (301_966, 36_059)                 # nanoGPT's data/shakespeare numbers
+    encode, decode = get_tokenizer(meta)
+    text = (shared_dir / 'data' / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')
+    assert len(encode(text)) == 338_025                                # the whole file (shared/data/README.md)
+    assert decode(train.tolist()) + decode(val.tolist()) == text
+
+
+def test_gpt2_tokenizer_is_gpt2(shared_dir):
+    encode, decode = get_tokenizer({'tokenizer': 'gpt2', 'dataset': 'x'})
+    assert encode('hello world') == [31373, 995]
+    assert decode([31373, 995, 50300]) == 'hello world'                # padded-vocab ids have no text
+
+
+def test_char_tokenizer_round_trip_and_unknown_character():
+    encode, decode = get_tokenizer({'tokenizer': 'char', 'dataset': 'abc', 'itos': ['\n', 'a', 'b', 'c']})
+    assert encode('ab\nc') == [1, 2, 0, 3] and decode([3, 2, 1]) == 'cba'
+    with pytest.raises(ValueError, match="not in the abc vocabulary"):
+        encode('abz')
+
+
+# ---- local files and folders ----
+
+def test_gutenberg_folder_is_sorted_joined_and_crlf_free(shared_dir, tmp_path):
+    books = tmp_path / 'books'
+    books.mkdir()
+    for name in ('pg1974.txt', 'pg1656.txt'):  # Poetics (22,064 GPT-2 tokens) and Apology (21,561)
+        shutil.copy(shared_dir / 'data' / 'gutenberg' / name, books / name)
+    (books / 'notes.md').write_text('not a .txt file: ignored')
+    meta, train, val = load_prepared('gutenberg2', tmp_path, input_path=str(books), tokenizer='gpt2')
+    # per-book counts from shared/data/gutenberg/README.md; the 90/10 cut may split one token in two
+    assert abs(len(train) + len(val) - (21_561 + 22_064)) <= 2
+    _, decode = get_tokenizer(meta)
+    text = decode(train.tolist()) + decode(val.tolist())
+    assert '\r' not in text
+    assert text.startswith('Apology')                                  # pg1656 sorts before pg1974
+    meta_c, train_c, val_c = load_prepared('gutenberg2_char', tmp_path, input_path=str(books), tokenizer='char')
+    assert len(train_c) + len(val_c) == len(text) and '\r' not in meta_c['itos']
+
+
+def test_input_file_with_default_tokenizer_for_a_new_name_is_gpt2(tmp_path):
+    src = tmp_path / 'mine.txt'
+    src.write_text('Hello world.\r\n' * 50, encoding='utf-8')
+    meta, train, val = load_prepared('mine', tmp_path, input_path=str(src))
+    assert meta['tokenizer'] == 'gpt2' and meta['dataset'] == 'mine'
+    assert 'itos' not in meta
+
+
+def test_vocab_over_65535_is_written_as_uint32(tmp_path):
+    assert (token_dtype(65_535), token_dtype(65_536), token_dtype(50_257)) == ('uint16', 'uint32', 'uint16')
+    # 70,000 distinct characters (no surrogates) -> a char vocabulary that uint16 cannot index
+    chars = [chr(i) for i in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= i < 0xE000]
+    src = tmp_path / 'wide.txt'
+    src.write_text(''.join(chars) * 2, encoding='utf-8')
+    meta, train, val = load_prepared('wide', tmp_path, input_path=str(src), tokenizer='char')
+    assert meta['vocab_size'] == len(chars) > 65_535 and meta['dtype'] == 'uint32'
+    assert os.path.getsize(tmp_path / 'data' / 'wide' / 'train.bin') == 4 * len(train)
+    assert train.max() > 65_535 or val.max() > 65_535
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist()) + decode(val.tolist()) == ''.join(chars) * 2
+
+
+def test_val_fraction_sets_the_split(tmp_path):
+    src = tmp_path / 't.txt'
+    src.write_text('abcdefghij' * 100, encoding='utf-8')
+    meta, train, val = load_prepared('t', tmp_path, input_path=str(src), tokenizer='char', val_fraction=0.25)
+    assert (len(train), len(val)) == (750, 250)
+
+
+# ---- the download path, without the network ----
+
+def test_download_is_used_only_without_the_offline_copy(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, 'SHAKESPEARE_LOCAL', str(tmp_path / 'absent.txt'))
+    urls = []
+
+    class Response:
+        def __init__(self, url, timeout):
+            urls.append(url)
+        def read(self):
+            return b'First Citizen:\nBefore we proceed any further, hear me speak.\n' * 20
+        def __enter__(self):
+            return self
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(prepare.urllib.request, 'urlopen', Response)
+    meta, train, val = load_prepared('shakespeare_char', tmp_path)
+    assert urls == [prepare.SHAKESPEARE_URL] and len(train) + len(val) == 61 * 20
+    assert (tmp_path / 'data' / 'shakespeare_char' / 'input.txt').is_file()   # nanoGPT's place for it
+    load_prepared('shakespeare_char', tmp_path)                          # second time: the saved copy
+    assert len(urls) == 1
+
+
+def test_download_failure_is_one_line_naming_the_offline_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepare, 'SHAKESPEARE_LOCAL', str(tmp_path / 'absent.txt'))
+    def offline(url, timeout):
+        raise OSError('[Errno -2] Name or service not known')
+    monkeypatch.setattr(prepare.urllib.request, 'urlopen', offline)
+    with pytest.raises(SystemExit) as e:
+        prepare.prepare('shakespeare', out_dir=str(tmp_path / 'data'))
+    assert '--input' in one_line_error(capsys, e)
+
+
+# ---- Hugging Face datasets through a fake `datasets` module ----
+
+WIKI = {'train': [' = Valkyria Chronicles = \n', '', ' Senjō no Valkyria is a game .\n', ''] * 300,
+        'validation': [' = Robert Boulter = \n', '', ' He is an English actor .\n'] * 40}
+
+
+def fake_datasets(monkeypatch, load_dataset):
+    calls = []
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return load_dataset(*args, **kwargs)
+    monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(load_dataset=recording))
+    return calls
+
+
+def test_wikitext103_joins_lines_of_each_hf_split(shared_dir, tmp_path, monkeypatch):
+    calls = fake_datasets(monkeypatch, lambda *a, split, **k: [{'text': t} for t in WIKI[split]])
+    meta, train, val = load_prepared('wikitext103', tmp_path)
+    assert [c[0] for c in calls] == [('Salesforce/wikitext', 'wikitext-103-raw-v1')] * 2
+    assert [c[1]['split'] for c in calls] == ['train', 'validation']
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist()) == ''.join(WIKI['train']) and decode(val.tolist()) == ''.join(WIKI['validation'])
+    assert meta['tokenizer'] == 'gpt2' and meta['train_tokens'] == len(train)
+
+
+def test_fineweb_edu_streams_documents_with_eot_and_num_docs(shared_dir, tmp_path, monkeypatch):
+    def stream(*a, **k):
+        for i in range(10_000):  # a "stream" far longer than asked for: num_docs must stop it
+            yield {'text': f'Document number {i} is about photosynthesis.'}
+    calls = fake_datasets(monkeypatch, stream)
+    meta, train, val = load_prepared('fineweb_edu', tmp_path, num_docs=50)
+    assert calls[0][0] == ('HuggingFaceFW/fineweb-edu',)
+    assert calls[0][1] == {'name': 'sample-10BT', 'split': 'train', 'streaming': True}
+    eot = 50256
+    assert (train == eot).sum() == 45 and (val == eot).sum() == 5      # every 10th document is held out
+    _, decode = get_tokenizer(meta)
+    docs = decode(val.tolist()).split('<|endoftext|>')
+    assert docs[:2] == ['Document number 9 is about photosynthesis.', 'Document number 19 is about photosynthesis.']
+
+
+def test_a_failed_rerun_leaves_no_meta_json_vouching_for_other_files(shared_dir, tmp_path, monkeypatch, capsys):
+    fake_datasets(monkeypatch, lambda *a, **k: iter([{'text': 'one'}, {'text': 'two'}]))
+    (tmp_path / 'data' / 'fineweb_edu').mkdir(parents=True)
+    (tmp_path / 'data' / 'fineweb_edu' / 'meta.json').write_text('{"from": "an earlier run"}')
+    with pytest.raises(SystemExit) as e:                                # 2 documents: val (every 10th) is empty
+        prepare.prepare('fineweb_edu', out_dir=str(tmp_path / 'data'), num_docs=2)
+    last = capsys.readouterr().err.splitlines()[-1]                     # after tqdm's progress bar
+    assert last.startswith('error: ') and 'val split is empty' in last
+    assert not (tmp_path / 'data' / 'fineweb_edu' / 'meta.json').exists()
+
+
+def test_missing_datasets_package_is_one_line_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, 'datasets', None)  # import datasets -> ImportError
+    with pytest.raises(SystemExit) as e:
+        prepare.prepare('wikitext103', out_dir=str(tmp_path / 'data'))
+    assert 'pip install datasets' in one_line_error(capsys, e)
+
+
+def test_hub_failure_is_one_line_error(shared_dir, tmp_path, monkeypatch, capsys):
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub (LocalEntryNotFoundError)\nmore")
+    fake_datasets(monkeypatch, offline)
+    with pytest.raises(SystemExit) as e:
+        prepare.prepare('wikitext103', out_dir=str(tmp_path / 'data'))
+    assert "Couldn't reach" in one_line_error(capsys, e)
+
+
+# ---- bad input: one line on stderr, non-zero exit, no traceback ----
+
+@pytest.mark.parametrize('argv, says', [
+    (['nosuchset'], "unknown dataset 'nosuchset'"),
+    (['mine', '--input', 'missing.txt'], 'no such file'),
+    (['mine', '--input', 'empty.txt'], 'empty'),
+    (['mine', '--input', 'emptydir'], 'no .txt files'),
+    (['mine', '--input', 'latin1.txt'], 'not UTF-8'),
+    (['mine', '--input', 'a.txt', '--tokenizer', 'bpe'], 'choose one of char, gpt2'),
+    (['mine', '--input', 'a.txt', '--val_fraction', '1.5'], 'between 0 and 1'),
+    (['mine', '--input', 'tiny.txt', '--tokenizer', 'char'], 'train split empty'),
+    (['fineweb_edu', '--num_docs', '0'], 'must be >= 1'),
+    (['wikitext103', '--tokenizer', 'char'], 'gpt2 only'),
+    (['../escape', '--input', 'a.txt'], 'plain folder name'),
+    (['mine', '--inptu', 'a.txt'], 'unrecognized arguments'),
+])
+def test_bad_input_is_one_line_error(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'empty.txt').write_text('')
+    (tmp_path / 'emptydir').mkdir()
+    (tmp_path / 'latin1.txt').write_bytes('café'.encode('latin-1'))
+    (tmp_path / 'a.txt').write_text('some text\n' * 10)
+    (tmp_path / 'tiny.txt').write_text('a')
+    with pytest.raises(SystemExit) as e:
+        prepare.main(argv)
+    assert says in one_line_error(capsys, e)
+
+
+def test_cli_error_has_no_traceback_and_cache_dir_is_set(shared_dir, repo_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != 'TIKTOKEN_CACHE_DIR'}
+    r = subprocess.run([sys.executable, str(repo_dir / 'prepare.py'), 'nosuchset'], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr
+    r = subprocess.run([sys.executable, '-c', 'import os, prepare; print(os.environ["TIKTOKEN_CACHE_DIR"])'],
+                       cwd=repo_dir, env=env, capture_output=True, text=True)
+    assert os.path.samefile(r.stdout.strip(), shared_dir / 'data' / 'tiktoken_cache')

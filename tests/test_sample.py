@@ -1,0 +1,185 @@
+"""sample.py: decodes text from a checkpoint with fixed and adaptive exit; every bad input is one clean line."""
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import sample
+from conftest import save_tiny_checkpoint
+
+FAST = ['--num_samples=2', '--max_new_tokens=12', '--device=cpu']
+
+
+def run_main(argv):
+    """sample.main in-process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            sample.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def mean_loops(stdout):
+    m = re.search(r'mean loops used per token: ([\d.]+) of (\d+)', stdout)
+    return float(m.group(1)), int(m.group(2))
+
+
+def test_sample_decodes_text_from_a_checkpoint(tiny_data, tiny_ckpt, repo_dir):
+    # the real command line, from the folder holding data/ (the default meta.json is data/<dataset>/meta.json)
+    r = subprocess.run([sys.executable, str(repo_dir / 'sample.py'), f'--out_dir={tiny_ckpt}', '--start=ROMEO:',
+                        *FAST], cwd=tiny_data.parent.parent, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    itos = json.loads((tiny_data / 'meta.json').read_text(encoding='utf-8'))['itos']
+    samples = re.findall(r'(ROMEO:[\s\S]*?)\n---------------\n', r.stdout)
+    assert len(samples) == 2
+    for text in samples:                                                 # the prompt, then 12 new characters
+        assert len(text) == len('ROMEO:') + 12 and set(text) <= set(itos)
+    assert 'mean loops' not in r.stdout                                  # fixed exit: nothing to report
+
+
+def test_adaptive_exit_reports_mean_loops_per_token(tiny_data, tiny_ckpt, monkeypatch):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    base = [f'--out_dir={tiny_ckpt}', *FAST]
+    # threshold 0: every token is confident enough at loop 1 (except, at most, the first new token of a sample,
+    # whose logits come from the prompt's pass through all R loops); an unreachable threshold: every token runs R
+    code, out, _ = run_main(base + ['--exit_threshold=0'])
+    loops, R = mean_loops(out)
+    assert code == 0 and R == 2 and 1.0 <= loops <= round((11 * 1 + 2) / 12, 2)
+    code, out, _ = run_main(base + ['--exit_threshold=1.5'])
+    assert code == 0 and mean_loops(out) == (2.0, 2)
+    code, out, _ = run_main(base + ['--exit_threshold=1e9', '--exit_policy=margin', '--n_loop=3'])
+    assert code == 0 and mean_loops(out) == (3.0, 3)                     # at most --n_loop loops
+
+
+def test_same_seed_same_samples_and_n_loop_override(tiny_data, tiny_ckpt, monkeypatch):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    base = [f'--out_dir={tiny_ckpt}/ckpt.pt', *FAST]                    # a checkpoint file works as --out_dir too
+    assert run_main(base + ['--seed=7']) == run_main(base + ['--seed=7'])
+    assert run_main(base + ['--seed=7'])[1] != run_main(base + ['--seed=8'])[1]
+    code, out, _ = run_main(base + ['--n_loop=4', '--temperature=0'])   # extrapolation past the trained R=2
+    assert code == 0 and 'fixed exit at loop 4' in out
+
+
+def test_meta_flag_and_start_file(tiny_data, tiny_ckpt, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path / 'out')                                  # no data/ here: --meta is needed
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_text('JULIET:\nSweet', encoding='utf-8')
+    code, out, err = run_main([f'--out_dir={tiny_ckpt}', f'--meta={tiny_data}/meta.json',
+                               f'--start=FILE:{prompt}', *FAST])
+    assert code == 0, err
+    assert out.count('JULIET:\nSweet') == 2
+
+
+def test_without_data_the_checkpoint_copy_of_the_tokenizer_decodes(tiny_ckpt, tmp_path, monkeypatch):
+    (tmp_path / 'elsewhere').mkdir()
+    monkeypatch.chdir(tmp_path / 'elsewhere')                            # no data/ here, no --meta
+    code, out, err = run_main([f'--out_dir={tiny_ckpt}', '--start=ROMEO:', *FAST])
+    assert code == 0, err
+    assert out.count('ROMEO:') == 2
+
+
+def test_gpt2_checkpoint_with_padded_vocab_decodes(shared_dir, tmp_path, monkeypatch):
+    # GPT-2 BPE data (vocab 50257) and a model padded to 50304 as nanoGPT does: accepted, and decodable
+    from prepare import prepare
+    (tmp_path / 'bpe.txt').write_text('To be, or not to be, that is the question.\n' * 40, encoding='utf-8')
+    meta = prepare('bpe', input_path=str(tmp_path / 'bpe.txt'), tokenizer='gpt2', out_dir=str(tmp_path / 'data'))
+    save_tiny_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'), 50304, dataset='bpe', meta=meta)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(['--out_dir=out', '--start=To be, or', '--exit_threshold=0.5', *FAST])
+    assert code == 0, err
+    assert out.count('To be, or') == 2 and 'mean loops used per token' in out
+
+
+# ---- bad input: one line on stderr, non-zero exit, no traceback, the checkpoint untouched ----
+
+def bad_setups(tmp_path, tiny_ckpt):
+    good = (tiny_ckpt / 'ckpt.pt').read_bytes()
+    (tmp_path / 'truncated.pt').write_bytes(good[:len(good) // 2])
+    (tmp_path / 'notes.pt').write_text('these are my notes, not a checkpoint')
+    (tmp_path / 'list.pt').write_bytes(b'')
+    meta = json.loads((tiny_ckpt.parent / 'data' / 'tiny_char' / 'meta.json').read_text(encoding='utf-8'))
+    for name, text in [('other', json.dumps({**meta, 'vocab_size': 65, 'itos': [chr(33 + i) for i in range(65)]})),
+                       ('reordered', json.dumps({**meta, 'itos': meta['itos'][::-1]})),
+                       ('broken', '{"tokenizer": ')]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'meta.json').write_text(text)
+    (tmp_path / 'notes.json').write_text('{}')
+    # a checkpoint without train.py's copy of the meta: only the vocab_size can be checked
+    save_tiny_checkpoint(str(tmp_path / 'bare' / 'ckpt.pt'), 50, dataset='tiny_char')
+
+
+@pytest.mark.parametrize('args, says', [
+    (['--out_dir=nowhere'], 'nowhere/ckpt.pt'),
+    (['--out_dir=truncated.pt'], 'truncated.pt'),
+    (['--out_dir=notes.pt'], 'notes.pt'),
+    (['--out_dir=list.pt'], 'list.pt'),
+    (['--start=FILE:missing_prompt.txt'], '--start FILE:missing_prompt.txt'),
+    (['--meta=other/meta.json'], 'other/meta.json disagrees with'),
+    (['--meta=reordered'], 'disagrees with'),
+    (['--meta=broken'], 'broken/meta.json is not a prepare.py meta.json'),
+    (['--meta=notes.json'], 'give a meta.json'),
+    (['--meta=absent/meta.json'], 'absent/meta.json not found'),
+    (['--out_dir=bare', '--meta=data/tiny_char'], 'the model 50'),
+    (['--start=ROMEO: \u20ac'], 'not in the tiny_char vocabulary'),
+    (['--start='], 'prompt is empty'),
+    (['--temprature=0.5'], 'did you mean --temperature?'),
+    (['--top_k=many'], "--top_k: invalid int value: 'many'"),
+    (['--num_samples=0'], '--num_samples=0: must be >= 1'),
+    (['--n_loop=0'], '--n_loop=0: must be >= 1'),
+    (['--exit_policy=entropy'], "invalid choice: 'entropy'"),
+    (['--device=gpu0'], '--device=gpu0: not a torch device'),
+])
+def test_bad_input_is_one_line_error(tmp_path, tiny_ckpt, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)
+    bad_setups(tmp_path, tiny_ckpt)
+    ckpt = tiny_ckpt / 'ckpt.pt'
+    before = (hashlib.sha256(ckpt.read_bytes()).hexdigest(), os.stat(ckpt).st_mtime_ns)
+    code, out, err = run_main([f'--out_dir={tiny_ckpt}', *FAST, *args])
+    assert code not in (0, None)
+    assert err.startswith('error: ') and err.count('\n') == 1, err
+    assert says in err
+    assert (hashlib.sha256(ckpt.read_bytes()).hexdigest(), os.stat(ckpt).st_mtime_ns) == before
+
+
+def test_cli_errors_have_no_traceback(tmp_path, tiny_ckpt, repo_dir):
+    bad_setups(tmp_path, tiny_ckpt)
+    for args in (['--out_dir=truncated.pt'], [f'--out_dir={tiny_ckpt}', '--start=FILE:missing.txt', '--bogus=1']):
+        r = subprocess.run([sys.executable, str(repo_dir / 'sample.py'), *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr, r.stderr
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blob=st.binary(max_size=2048))
+def test_random_bytes_as_checkpoint_give_a_clean_error(tmp_path, blob):
+    path = tmp_path / 'random.pt'
+    path.write_bytes(blob)
+    code, _, err = run_main([f'--out_dir={path}', *FAST])
+    assert code not in (0, None) and err.startswith('error: ') and err.count('\n') == 1, err
+
+
+FLAGS = [a.option_strings[0] for a in sample.p._actions if a.option_strings and a.option_strings[0] != '-h']
+VALUES = st.one_of(st.sampled_from(['0', '1', '-1', '3', '0.5', '1e9', 'nan', 'inf', '', 'cpu', 'cuda', 'auto',
+                                    'margin', 'ROMEO:', 'FILE:', 'FILE:nope.txt', 'out', 'data/tiny_char']),
+                   st.text(max_size=8))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pairs=st.lists(st.tuples(st.one_of(st.sampled_from(FLAGS), st.text(min_size=1, max_size=10)), VALUES),
+                      max_size=3))
+def test_random_flags_either_sample_or_give_a_clean_error(tiny_ckpt, monkeypatch, pairs):
+    monkeypatch.chdir(tiny_ckpt.parent)
+    argv = [f'--{k.lstrip("-")}={v}' for k, v in pairs]
+    # the random flags are parsed and checked; the fixed ones after them (last wins) keep each run short
+    code, out, err = run_main(argv + ['--max_new_tokens=4', '--num_samples=1', '--n_loop=2'])
+    assert code in (0, None) or (err.startswith('error: ') and err.count('\n') == 1), err
