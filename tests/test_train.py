@@ -1,0 +1,236 @@
+"""
+train.py, configurator.py and the config files: the training loop runs end to end, every config file runs,
+overrides compose in order, and the eval block reports every exit and every loop norm.
+
+Most runs here execute train.py in this process (runpy), which is fast and sees exactly what the command
+line would: a clean error is a SystemExit(1) with one line on stderr, anything else would be a traceback.
+A few tests start real subprocesses to pin the command line itself.
+"""
+import ast
+import contextlib
+import glob
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+TRAIN = os.path.join(REPO, 'train.py')
+
+# a model small enough to train a few steps in well under a second
+TINY = ['--n_layer=1', '--n_loop=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=4',
+        '--eval_iters=2', '--device=cpu', '--dtype=float32', '--compile=False', '--gradient_accumulation_steps=1',
+        '--log_interval=1', '--dataset=tiny']
+
+TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
+        "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n\n")
+
+
+def write_data(root, name='tiny', n_chars=6000, val_chars=800):
+    """A char-level dataset in prepare.py's format under root/data/name; returns the folder."""
+    text = (TEXT * (n_chars // len(TEXT) + 1))[:n_chars + val_chars]
+    itos = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(itos)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    folder = os.path.join(str(root), 'data', name)
+    os.makedirs(folder, exist_ok=True)
+    ids[:n_chars].tofile(os.path.join(folder, 'train.bin'))
+    ids[n_chars:].tofile(os.path.join(folder, 'val.bin'))
+    meta = dict(dataset=name, tokenizer='char', vocab_size=len(itos), dtype='uint16', train_tokens=n_chars,
+                val_tokens=val_chars, itos=itos)
+    with open(os.path.join(folder, 'meta.json'), 'w', encoding='utf-8') as f:
+        json.dump(meta, f)
+    return folder
+
+
+def run_train(args, cwd):
+    """train.py in this process with these arguments, from folder cwd. Returns (exit code, stdout, stderr).
+    A clean error is SystemExit(1); any other exception propagates (it would be a traceback on the CLI)."""
+    out, err = io.StringIO(), io.StringIO()
+    old_argv, old_cwd, old_threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    old_omp = os.environ.get('OMP_NUM_THREADS')
+    sys.argv = ['train.py', *args]
+    code = 0
+    try:
+        os.chdir(cwd)
+        os.environ['OMP_NUM_THREADS'] = '1'  # tiny models: one thread is fastest, and the suite shares 2 cores
+        torch.set_num_threads(1)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(TRAIN, run_name='__main__')
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+        torch.set_num_threads(old_threads)
+        if old_omp is None:
+            os.environ.pop('OMP_NUM_THREADS', None)
+        else:
+            os.environ['OMP_NUM_THREADS'] = old_omp
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_cli(args, cwd, timeout=120):
+    """train.py as a real subprocess."""
+    return subprocess.run([sys.executable, TRAIN, *args], cwd=str(cwd), capture_output=True, text=True,
+                          timeout=timeout, env=cli_env())
+
+
+def cli_env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=REPO, **extra)
+
+
+def read_metrics(path):
+    with open(path, encoding='utf-8') as f:
+        return [json.loads(line) for line in f]
+
+
+def train_defaults():
+    """train.py's config globals (the literal assignments above the configurator line)."""
+    tree = ast.parse(open(TRAIN, encoding='utf-8').read())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == 'config_keys':
+                break
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return out
+
+
+# -----------------------------------------------------------------------------
+
+def test_train_runs_end_to_end_writes_checkpoint_and_resumes(tmp_path):
+    # the real command line: a few iterations, a checkpoint in the SPEC format, then a resume that continues
+    write_data(tmp_path)
+    r = run_cli([*TINY, '--max_iters=4', '--eval_interval=2', '--out_dir=out'], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert 'step 4:' in r.stdout and 'saving checkpoint' in r.stdout
+    ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    for key in ('model', 'model_args', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'dataset',
+                'rng', 'data_rng', 'world_size'):
+        assert key in ckpt, key
+    assert ckpt['iter_num'] == 4 and ckpt['dataset'] == 'tiny' and ckpt['world_size'] == 1
+    assert not any(k.startswith(('_orig_mod.', 'module.')) for k in ckpt['model'])
+    r = run_cli(['--init_from=resume', '--out_dir=out', '--max_iters=6', '--eval_interval=2'], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert 'resuming from' in r.stdout and 'iter 4:' in r.stdout and 'step 6:' in r.stdout
+    assert "max_iters 4 -> 6" in r.stdout  # a schedule change is allowed and printed
+    assert [m['iter'] for m in read_metrics(tmp_path / 'out' / 'metrics.jsonl')] == [0, 2, 4, 6]
+
+
+def test_eval_block_reports_ce_at_every_exit_and_norm_of_every_loop(tmp_path):
+    write_data(tmp_path)
+    code, out, err = run_train([*TINY, '--n_loop=3', '--max_iters=2', '--eval_interval=1', '--out_dir=out'], tmp_path)
+    assert code == 0, err
+    assert 'exit k' in out and 'train CE' in out and 'val CE' in out and '||h_k||' in out
+    rows = read_metrics(tmp_path / 'out' / 'metrics.jsonl')
+    assert [r['iter'] for r in rows] == [0, 1, 2]
+    for r in rows:
+        for key in ('iter', 'train_ce', 'val_ce', 'norm', 'train_loss', 'val_loss', 'lr', 'time'):
+            assert key in r, key
+        assert len(r['train_ce']) == len(r['val_ce']) == len(r['norm']) == 3
+        assert r['val_loss'] == r['val_ce'][-1] and r['train_loss'] == r['train_ce'][-1]
+        assert all(n > 0 for n in r['norm'])
+
+
+@pytest.mark.parametrize('config_file', sorted(glob.glob(os.path.join(REPO, 'config', '*.py'))),
+                         ids=lambda p: os.path.basename(p))
+def test_every_config_file_runs_two_iterations(config_file, tmp_path):
+    # GPU presets too: the tiny overrides come after the file, so size, data and device are local and small
+    write_data(tmp_path)
+    code, out, err = run_train([config_file, *TINY, '--vocab_size=0', '--max_iters=2', '--eval_interval=2',
+                                '--out_dir=out'], tmp_path)
+    assert code == 0, err
+    assert 'step 2:' in out
+    ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 2
+    # the arm's own keys reached the model
+    ns = {}
+    exec(open(config_file).read(), ns)
+    for key in ('readout', 'supervision', 'norm_penalty', 'inter_loop_norm', 'block', 'depth_scaling'):
+        if key in ns:
+            assert ckpt['model_args'][key] == ns[key], key
+
+
+def test_config_files_compose_in_order_then_flags_override(tmp_path):
+    import configurator
+    defaults = train_defaults()
+    preset, arm = os.path.join(REPO, 'config', 'paper_44m.py'), os.path.join(REPO, 'config', 'loop_raw.py')
+    config, explicit = configurator.configure(defaults, [preset, arm, '--learning_rate=1e-3', '--n_loop=2'])
+    assert config['n_embd'] == 512 and config['dataset'] == 'wikitext103'    # from the preset
+    assert config['readout'] == 'raw' and config['supervision'] == 'per_loop'  # from the arm, applied after
+    assert config['learning_rate'] == 1e-3 and config['n_loop'] == 2          # flags win
+    assert {'n_embd', 'readout', 'learning_rate'} <= explicit and 'seed' not in explicit
+    # a file that assigns a default value still counts as setting it (resume compares it with the checkpoint)
+    f = tmp_path / 'same.py'
+    f.write_text(f"readout = {defaults['readout']!r}\nn_head = n_embd // 32\n")
+    config, explicit = configurator.configure(defaults, [str(f)])
+    assert 'readout' in explicit and config['n_head'] == defaults['n_embd'] // 32
+
+
+def test_override_values_are_typed_like_their_defaults():
+    import configurator
+    d = train_defaults()
+    c, _ = configurator.configure(d, ['--learning_rate=3', '--dataset=wikitext103', '--compile=True',
+                                      '--depth_scaling=0.3', '--exit_weights=(1, 2)', '--n_layer=3'])
+    assert c['learning_rate'] == 3.0 and isinstance(c['learning_rate'], float)  # int accepted where float expected
+    assert c['dataset'] == 'wikitext103'            # not a Python literal: taken as a string
+    assert c['compile'] is True and c['n_layer'] == 3
+    assert c['depth_scaling'] == 0.3                # a number, or a name
+    assert c['exit_weights'] == (1.0, 2.0)          # a tuple of floats
+    c, _ = configurator.configure(d, ['--depth_scaling=deeploop'])
+    assert c['depth_scaling'] == 'deeploop'
+
+
+def test_lr_schedules_constant_and_warmup_cosine(tmp_path):
+    write_data(tmp_path)
+    code, out, err = run_train([*TINY, '--max_iters=6', '--eval_interval=1', '--out_dir=c', '--learning_rate=1e-3',
+                                '--lr_schedule=constant'], tmp_path)
+    assert code == 0, err
+    assert {r['lr'] for r in read_metrics(tmp_path / 'c' / 'metrics.jsonl')} == {1e-3}
+    code, out, err = run_train([*TINY, '--max_iters=6', '--eval_interval=1', '--out_dir=w', '--learning_rate=1e-3',
+                                '--lr_schedule=cosine', '--warmup_iters=2', '--lr_decay_iters=5', '--min_lr=1e-4'],
+                               tmp_path)
+    assert code == 0, err
+    lrs = [r['lr'] for r in read_metrics(tmp_path / 'w' / 'metrics.jsonl')]
+    # warmup (it+1)/(warmup+1) * lr, then cosine from lr to min_lr at lr_decay_iters, then min_lr
+    expect = [1e-3 / 3, 2e-3 / 3, 1e-3, 1e-4 + 0.5 * (1 + np.cos(np.pi / 3)) * 9e-4,
+              1e-4 + 0.5 * (1 + np.cos(2 * np.pi / 3)) * 9e-4, 1e-4, 1e-4]
+    assert np.allclose(lrs, expect, rtol=1e-9)
+
+
+def test_default_run_prepares_missing_shakespeare_char(tmp_path):
+    # no data/ folder: the embedded default prepares shakespeare_char itself (offline copy in ../shared)
+    if not os.path.isfile(os.path.join(REPO, '..', 'shared', 'data', 'tinyshakespeare', 'input.txt')):
+        pytest.skip("../shared/data/tinyshakespeare/input.txt not found: preparing would need the network")
+    tiny = [a for a in TINY if not a.startswith('--dataset')]
+    code, out, err = run_train([*tiny, '--max_iters=1', '--eval_interval=1', '--out_dir=out'], tmp_path)
+    assert code == 0, err
+    assert 'preparing it' in out and 'step 1:' in out
+    assert (tmp_path / 'data' / 'shakespeare_char' / 'meta.json').is_file()
+    assert json.loads((tmp_path / 'data' / 'shakespeare_char' / 'meta.json').read_text())['vocab_size'] == 65
+
+
+def test_per_loop_rmsnorm_default_shows_growing_loop_norms(tmp_path):
+    # the embedded default is paper 1's blind-spot setting (per-loop CE, RMSNorm readout, reference init);
+    # even a few dozen steps at d 32 show ||h_k|| growing with k and with training (papers.md §1)
+    write_data(tmp_path)
+    args = ['--n_layer=1', '--n_loop=4', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=8',
+            '--eval_iters=2', '--device=cpu', '--dataset=tiny', '--max_iters=40', '--eval_interval=40',
+            '--log_interval=100', '--out_dir=out']
+    code, out, err = run_train(args, tmp_path)
+    assert code == 0, err
+    first, last = read_metrics(tmp_path / 'out' / 'metrics.jsonl')
+    assert last['norm'][-1] > first['norm'][-1]                 # grows with training
+    assert all(a < b for a, b in zip(last['norm'], last['norm'][1:]))  # and with depth
+    assert last['val_loss'] < first['val_loss']

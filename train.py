@@ -1,0 +1,425 @@
+"""
+Train a looped GPT. Runs on one CPU, one GPU, or several GPUs (or CPU processes) with DDP.
+
+With no arguments it trains a small looped GPT on shakespeare_char in about five minutes on a laptop CPU:
+per-loop cross-entropy through an RMSNorm readout with the reference init, the setting where paper 1's
+readout blind spot appears (papers.md §1): watch ||h_k|| grow in the eval blocks.
+
+    python train.py                                            # the embedded default
+    python train.py config/loop_raw.py                         # one ablation arm
+    python train.py config/paper_44m.py config/loop_raw.py     # a GPU preset + an arm (files apply in order)
+    python train.py config/loop_raw.py --max_iters=500 --lr_schedule=cosine
+    python train.py --init_from=resume --max_iters=6000        # continue out/ckpt.pt where it stopped
+
+DDP, e.g. 4 GPUs on one node (CPU processes work too, with the gloo backend):
+    torchrun --standalone --nproc_per_node=4 train.py config/paper_44m.py
+
+Every eval_interval it prints train/val cross-entropy at every exit 1..R and the mean per-token norm
+||h_k|| of every loop state, and appends them to out_dir/metrics.jsonl (one JSON object per eval).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import configurator
+from common import (die, load_checkpoint, model_config, load_state, open_data, atomic_save, rng_state,
+                    set_rng_state, nonfinite_report, first_line)
+from model import GPT
+
+# -----------------------------------------------------------------------------
+# default config values: a small looped GPT on shakespeare_char, per-loop CE + RMSNorm readout (papers.md §1)
+# I/O
+out_dir = 'out'                  # ckpt.pt and metrics.jsonl go here
+eval_interval = 250              # evaluate (and checkpoint) every this many iterations
+log_interval = 50                # print the training loss every this many iterations
+eval_iters = 10                  # batches per split per evaluation (the same batches every time)
+eval_only = False                # evaluate once and exit
+always_save_checkpoint = True    # save at every eval, not only when the val loss improves
+init_from = 'scratch'            # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+# wandb logging
+wandb_log = False                # wandb is imported only when this is on
+wandb_project = 'nanoloop'
+wandb_run_name = 'run'
+# data
+dataset = 'shakespeare_char'     # reads data/<dataset>/{train,val}.bin and meta.json (python prepare.py <dataset>)
+gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all DDP ranks
+batch_size = 12                  # sequences per micro-batch per rank
+block_size = 64                  # context length T
+# model: every GPTConfig field (model.py documents each; papers.md has the formulas)
+vocab_size = 0                   # 0 = meta.json's; larger pads the head (e.g. 50304 for GPT-2 BPE)
+n_layer = 2                      # K distinct layers in the shared stack
+n_loop = 4                       # R rounds through it
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+pos = 'learned'                  # learned | rope
+mlp = 'swiglu'                   # swiglu | gelu
+norm = 'rmsnorm'                 # norm inside the blocks: rmsnorm | layernorm
+tie_weights = True
+init = 'reference'               # reference (paper 1's code: wte ~ N(0,1)) | gpt2 (N(0, 0.02))
+readout = 'rmsnorm'              # rmsnorm | layernorm | raw | final_only   (papers.md §1)
+supervision = 'per_loop'         # per_loop (mean of the R exit CEs) | terminal (exit R only)
+exit_weights = ()                # per-exit loss weights; () = uniform
+norm_penalty = 0.0               # lambda of lambda * mean_k mean(h_k^2); paper 1 uses 0.01
+inter_loop_norm = 'none'         # none | rmsnorm | layernorm: norm the state between loops
+block = 'preln'                  # preln | postln (DeepNorm) | sandwich (DeepLoop)   (papers.md §2)
+depth_scaling = 'none'           # none | deepnorm (p=1/4) | deeploop (p=1/2) | a number p
+loop_eps = 0.0                   # lambda of the branch multiplier lambda/(R sqrt K) (papers.md §3); 0 = off
+# AdamW optimizer
+learning_rate = 1e-3             # max learning rate (paper 1: 3e-4, slow for a 5-minute run)
+max_iters = 2000                 # total number of training iterations
+weight_decay = 0.01
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                  # clip gradients at this norm; 0 = no clipping
+# learning rate schedule (paper 1 trains at a constant LR with no warmup)
+lr_schedule = 'constant'         # constant | cosine (linear warmup, then cosine decay to min_lr)
+warmup_iters = 0                 # linear warmup steps (both schedules)
+lr_decay_iters = 2000            # cosine: reaches min_lr here, ~= max_iters per Chinchilla
+min_lr = 1e-4                    # cosine: final learning rate, ~= learning_rate/10 per Chinchilla
+# reliability
+max_bad_steps = 10               # stop after this many consecutive steps with a non-finite loss or gradient
+# system
+device = 'auto'                  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+dtype = 'auto'                   # auto (bfloat16 on CUDA if supported, else float16; float32 elsewhere) | float32 | bfloat16 | float16
+compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
+seed = 1337
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str, tuple))]
+defaults = {k: globals()[k] for k in config_keys}
+config, explicit = configurator.configure(defaults, sys.argv[1:])  # config files, then --key=value
+ckpt_path = os.path.join(config['out_dir'], 'ckpt.pt')
+ckpt, resume_changes = None, []
+if config['init_from'] == 'resume':
+    # the checkpoint's config is the base; only what this command sets explicitly overrides it
+    ckpt = load_checkpoint(ckpt_path)
+    missing = [k for k in ('optimizer', 'iter_num', 'config') if k not in ckpt]
+    if missing or not isinstance(ckpt['iter_num'], int) or not isinstance(ckpt['config'], dict):
+        die(f"{ckpt_path} cannot be resumed: it lacks {', '.join(missing) or 'a valid iter_num/config'}")
+    config, resume_changes = configurator.resume_config(config, explicit, ckpt, ckpt_path)
+gptconf = configurator.check(config)  # choices and ranges, GPTConfig's own validation
+globals().update(config)
+# -----------------------------------------------------------------------------
+# processes and devices
+
+ddp = int(os.environ.get('RANK', -1)) != -1  # is this a torchrun run?
+rank, local_rank, world_size = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
+                                int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
+master_process = rank == 0  # this process logs and writes checkpoints
+if device == 'auto':
+    device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+device_type = 'cuda' if device.startswith('cuda') else device
+if device_type == 'cuda' and not torch.cuda.is_available():
+    die(f"device={device!r} but torch.cuda.is_available() is False; use --device=cpu")
+if device_type == 'mps' and not torch.backends.mps.is_available():
+    die("device='mps' but torch.backends.mps.is_available() is False; use --device=cpu")
+if ddp:
+    if gradient_accumulation_steps % world_size != 0:
+        die(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} "
+            f"DDP processes: each rank runs gradient_accumulation_steps/world_size micro-batches")
+    if device_type == 'cuda':
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo')
+gas = gradient_accumulation_steps // world_size  # micro-batches per rank per step
+tokens_per_iter = gas * world_size * batch_size * block_size
+if device_type == 'cpu' and 'OMP_NUM_THREADS' not in os.environ:
+    # torch starts one thread per core in every process: share the cores between the ranks instead
+    # (torchrun sets OMP_NUM_THREADS=1 itself; set it to choose the thread count yourself)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // world_size))
+if dtype == 'auto':
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
+    torch.backends.cudnn.allow_tf32 = True        # allow tf32 on cudnn
+# the forward pass runs under autocast in bf16/fp16; weights, optimizer and loss stay float32
+ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+# fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 has float32's range
+scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+torch.manual_seed(seed + rank)  # dropout differs between ranks; DDP broadcasts rank 0's initial weights
+if master_process:
+    threads = f", {torch.get_num_threads()} threads" if device_type == 'cpu' else ''
+    print(f"device: {device}{threads}, {dtype}, {world_size} process(es); tokens per iteration: {tokens_per_iter:,} "
+          f"({gas * world_size} x {batch_size} x {block_size})")
+    for change in resume_changes:
+        print(f"resume: {change}")
+
+# -----------------------------------------------------------------------------
+# data
+
+data_dir = os.path.join('data', dataset)
+if not os.path.exists(os.path.join(data_dir, 'meta.json')) and dataset in ('shakespeare_char', 'shakespeare'):
+    if ddp:
+        die(f"{data_dir} not found: prepare it first with `python prepare.py {dataset}`")
+    print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
+    import prepare  # uses ../shared/data/tinyshakespeare offline, else downloads; dies with the offline command
+    prepare.prepare(dataset)
+meta, data = open_data(data_dir, block_size)  # checks files, token ids < vocab_size, and block_size vs. the splits
+if vocab_size == 0:
+    vocab_size = meta['vocab_size']
+elif vocab_size < meta['vocab_size']:
+    die(f"vocab_size={vocab_size} is smaller than {data_dir}/meta.json's {meta['vocab_size']}")
+if init_from == 'scratch' and os.path.exists(ckpt_path) and not eval_only:
+    # a forgotten --init_from=resume would overwrite a run at its first checkpoint: refuse instead
+    die(f"{ckpt_path} already exists: continue it with --init_from=resume, or start over with another --out_dir "
+        f"(or delete {out_dir})")
+meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what a checkpoint's tokens mean
+if ckpt is not None:
+    saved = ckpt.get('meta') or {}
+    differ = [k for k in meta_id if k in saved and saved[k] != meta_id[k]]
+    if differ or ckpt['model_args'].get('vocab_size') != vocab_size:
+        die(f"{data_dir}/meta.json disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: the checkpoint "
+            f"was trained on other tokens); resume with the checkpoint's dataset {ckpt.get('dataset')!r}")
+
+# -----------------------------------------------------------------------------
+# model, optimizer, and the state a resumed run continues from
+
+model_args = dict(asdict(gptconf), vocab_size=vocab_size)
+model = GPT(model_config(model_args))
+if ckpt is not None:
+    load_state(model, ckpt['model'], ckpt_path)  # prefixes of compiled / DDP-wrapped models are stripped
+model.to(device)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+iter_num, best_val_loss, bad_total = 0, float('inf'), 0
+train_gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # this rank's training batches
+if ckpt is not None:
+    # AdamW moments come from the checkpoint; hyperparameters (betas, weight decay) from this run's config
+    hyper = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        if scaler.is_enabled() and ckpt.get('scaler'):
+            scaler.load_state_dict(ckpt['scaler'])
+    except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        die(f"{ckpt_path}: optimizer state does not fit this model ({first_line(e)})")
+    for g, h in zip(optimizer.param_groups, hyper):
+        g.update(h)
+    iter_num, best_val_loss = ckpt['iter_num'], float(ckpt.get('best_val_loss', float('inf')))
+    bad_total = int(ckpt.get('bad_steps', 0))
+    # every rank continues its own random streams (dropout, data order) exactly where the checkpoint left them
+    rngs, data_rngs = ckpt.get('rng'), ckpt.get('data_rng')
+    if ckpt.get('world_size') == world_size and isinstance(rngs, list) and isinstance(data_rngs, list):
+        set_rng_state(rngs[rank])
+        train_gen.set_state(data_rngs[rank])
+    elif master_process:
+        why = (f"was written by {ckpt.get('world_size')} process(es), this run has {world_size}"
+               if ckpt.get('world_size') != world_size else "holds no random-stream states")
+        print(f"resume: the checkpoint {why}: random streams are reseeded (the run continues, not bit for bit)")
+    if master_process:
+        print(f"resuming from {ckpt_path} at iter {iter_num}")
+    del ckpt  # free the memory
+raw_model = model  # the plain GPT: its state_dict has no '_orig_mod.' / 'module.' prefixes
+if compile:
+    if master_process:
+        print("compiling the model... (takes a ~minute)")
+    model = torch.compile(model)
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+
+def gather(obj):
+    """obj from every rank, as a list on rank 0 (None elsewhere); [obj] without DDP."""
+    if not ddp:
+        return [obj]
+    out = [None] * world_size if master_process else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+@torch.no_grad()
+def estimate_loss():
+    """CE at every exit and mean ||h_k|| per loop on eval_iters batches of each split, averaged over ranks.
+
+    Each rank draws its batches from a generator seeded the same way at every eval, so successive evals
+    compare the model on the same data, and training's own data stream is left alone.
+    """
+    out = {}
+    raw_model.eval()
+    for i, split in enumerate(('train', 'val')):
+        gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1) + 1 + i)
+        ce = torch.zeros(raw_model.config.n_loop, device=device)
+        norms = torch.zeros(raw_model.config.n_loop, device=device)
+        for _ in range(eval_iters):
+            X, Y = data[split].get_batch(batch_size, block_size, gen, device)
+            with ctx:
+                c, n = raw_model.exit_losses(X, Y)
+            ce += c.float()
+            norms += n.float()
+        stats = torch.cat([ce, norms]) / eval_iters
+        if ddp:
+            dist.all_reduce(stats)  # every rank's batches count, not only rank 0's
+            stats /= world_size
+        out[split + '_ce'], out[split + '_norm'] = stats.chunk(2)
+    raw_model.train()
+    return {k: v.tolist() for k, v in out.items()}
+
+def get_lr(it):
+    # 1) linear warmup for warmup_iters steps (paper 1: none)
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if lr_schedule == 'constant':  # paper 1's schedule
+        return learning_rate
+    # 2) cosine: past lr_decay_iters, min_lr; in between, cosine decay down to min_lr
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # coeff ranges 0..1
+    return min_lr + coeff * (learning_rate - min_lr)
+
+def print_eval(it, losses, lr):
+    R = len(losses['val_ce'])
+    row = lambda name, vals, fmt: f"  {name:<10}" + ''.join(format(v, fmt).rjust(11) for v in vals)
+    print(f"step {it}: train loss {losses['train_ce'][-1]:.4f}, val loss {losses['val_ce'][-1]:.4f} "
+          f"(final exit), lr {lr:.2e}")
+    print(row('exit k', range(1, R + 1), 'd'))
+    print(row('train CE', losses['train_ce'], '.4f'))
+    print(row('val CE', losses['val_ce'], '.4f'))
+    print(row('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
+
+def save_checkpoint():
+    # every rank's random streams go into the checkpoint, so each rank resumes exactly where it was
+    rngs, data_rngs = gather(rng_state()), gather(train_gen.get_state())
+    if not master_process:
+        return
+    checkpoint = {
+        'model': raw_model.state_dict(), 'model_args': asdict(raw_model.config),
+        'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+        'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'dataset': dataset,
+        'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'world_size': world_size, 'bad_steps': bad_total,
+    }
+    print(f"saving checkpoint to {ckpt_path}")
+    atomic_save(checkpoint, ckpt_path)
+
+# metrics.jsonl: one JSON object per eval. A resumed run drops rows past the checkpoint's iteration (they
+# came from work the checkpoint does not hold, and will be redone); a new run starts a new file.
+metrics_path = os.path.join(out_dir, 'metrics.jsonl')
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    if init_from == 'resume' and os.path.exists(metrics_path):
+        with open(metrics_path, encoding='utf-8') as f:
+            for line in f:
+                try:
+                    if json.loads(line)['iter'] <= iter_num:
+                        rows.append(line if line.endswith('\n') else line + '\n')
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line torn by a crash mid-write
+    if not eval_only:
+        with open(metrics_path + '.tmp', 'w', encoding='utf-8') as f:
+            f.writelines(rows)
+        os.replace(metrics_path + '.tmp', metrics_path)
+    if wandb_log:
+        try:
+            import wandb
+        except ImportError:
+            die("wandb_log=True but wandb is not installed: pip install wandb")
+        wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+# -----------------------------------------------------------------------------
+# training loop
+
+start_iter = iter_num
+skip_eval_at = iter_num if init_from == 'resume' and not eval_only else None  # already evaluated and saved
+bad_in_a_row = 0
+t_start = t0 = time.time()
+while True:
+
+    # set the learning rate for this iteration
+    lr = get_lr(iter_num)
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
+    # evaluate, log and checkpoint (all ranks take part: the eval is averaged over them)
+    if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != skip_eval_at:
+        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+            # the guard below keeps non-finite updates out; if the weights broke anyway, keep the last checkpoint
+            die(f"non-finite weights at iter {iter_num}: not saving; {ckpt_path} (last good checkpoint) is untouched")
+        losses = estimate_loss()
+        if master_process:
+            print_eval(iter_num, losses, lr)
+            metrics = {'iter': iter_num, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
+                       'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
+                       'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
+                       'tokens': iter_num * tokens_per_iter, 'bad_steps': bad_total,
+                       'time': round(time.time() - t_start, 3)}
+            if not eval_only:
+                with open(metrics_path, 'a', encoding='utf-8') as f:
+                    f.write(json.dumps(metrics) + '\n')
+            if wandb_log:
+                wandb.log({'iter': iter_num, 'lr': lr, 'train/loss': metrics['train_loss'], 'val/loss': metrics['val_loss'],
+                           **{f'val/ce_exit{k}': v for k, v in enumerate(losses['val_ce'], 1)},
+                           **{f'norm/h{k}': v for k, v in enumerate(losses['val_norm'], 1)}})
+        val_loss = losses['val_ce'][-1]
+        if iter_num > start_iter and not eval_only and (val_loss < best_val_loss or always_save_checkpoint):
+            best_val_loss = min(best_val_loss, val_loss)
+            save_checkpoint()
+    if iter_num >= max_iters or eval_only:
+        break
+
+    # forward and backward over gas micro-batches; the loss is divided by gas so the gradients add up to
+    # the mean over micro-batches, and DDP averages over ranks: together the mean over the global batch
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(gas):
+        X, Y = data['train'].get_batch(batch_size, block_size, train_gen, device)
+        # under DDP, all-reduce the gradients only on the last micro-step (the others just accumulate)
+        with model.no_sync() if ddp and micro_step < gas - 1 else nullcontext():
+            with ctx:
+                _, loss = model(X, Y)
+                loss = loss / gas
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach().float()
+    scaler.unscale_(optimizer)  # no-op unless fp16: gradients back to their true scale before clipping
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+
+    # the non-finite guard: one small all-reduce (and one sync) per step. The summed loss turns NaN if any
+    # rank's loss did, so every rank takes the same decision. Under fp16 an inf gradient with a finite loss
+    # is the GradScaler's business (it skips the step and lowers the scale), not a bad step.
+    flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm)).float()])
+    if ddp:
+        dist.all_reduce(flags)
+    lossf, grad_bad = flags.tolist()
+    lossf /= world_size
+    ok = math.isfinite(lossf) and (grad_bad == 0 or scaler.is_enabled())
+    if ok:
+        scaler.step(optimizer)  # optimizer.step() unless fp16
+        bad_in_a_row = 0
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if not ok:
+        # skip the update, say where the non-finite value came from, stop if it keeps happening
+        bad_in_a_row += 1
+        bad_total += 1
+        with ctx:
+            reports = gather(nonfinite_report(raw_model, X, Y, norm_penalty))
+        if master_process:
+            where = '; '.join(f"rank {r}: {s}" for r, s in enumerate(reports)) if ddp else reports[0]
+            print(f"iter {iter_num}: non-finite loss ({lossf:.4g}) or grad norm ({grad_norm.item():.4g}), update "
+                  f"skipped ({bad_in_a_row} in a row, {bad_total} total); {where}")
+        if bad_in_a_row >= max_bad_steps:
+            die(f"stopping at iter {iter_num}: {bad_in_a_row} consecutive steps with a non-finite loss or gradient "
+                f"(max_bad_steps={max_bad_steps}); {ckpt_path} holds the last good state: lower learning_rate or "
+                f"check the data, then resume")
+
+    # timing and logging
+    t1 = time.time()
+    dt, t0 = t1 - t0, t1
+    if iter_num % log_interval == 0 and master_process:
+        mfu = raw_model.estimate_mfu(gas * batch_size, dt) if device_type == 'cuda' else None
+        print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
+              f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else ''))
+    iter_num += 1
+
+if master_process and not eval_only:
+    print(f"done: {iter_num} iterations, {time.time() - t_start:.1f}s this run, {bad_total} skipped steps; "
+          f"checkpoint {ckpt_path}, metrics {metrics_path}")
+if ddp:
+    dist.destroy_process_group()
