@@ -76,6 +76,9 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos == 'rope' and (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(f"pos='rope' needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}")
+        for key in ('dropout', 'norm_penalty', 'loop_eps'):
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"{key}={getattr(self, key)!r}: must be a finite number")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r}: must be in [0, 1)")
         if self.norm_penalty < 0:
@@ -85,7 +88,8 @@ class GPTConfig:
         if self.loop_eps > 0 and self.block != 'preln':
             raise ValueError("loop_eps scales pre-norm branches: it needs block='preln'")
         self.exit_weights = tuple(float(w) for w in self.exit_weights)
-        if self.exit_weights and (len(self.exit_weights) != self.n_loop or min(self.exit_weights) < 0):
+        if self.exit_weights and (len(self.exit_weights) != self.n_loop or min(self.exit_weights) < 0
+                                  or not all(map(math.isfinite, self.exit_weights))):
             raise ValueError(f"exit_weights={self.exit_weights}: give n_loop={self.n_loop} weights >= 0, or () for uniform")
         # depth_scaling: a name, or the exponent p itself (also as a string such as '0.3')
         p = self.depth_scaling
