@@ -269,9 +269,13 @@ class LinearCrossEntropy(torch.autograd.Function):
             for i in range(0, x.size(0), rows):
                 xc, tc, vc = x[i:i + rows], tgt[i:i + rows], valid[i:i + rows]
                 logits = (xc @ weight.t()).float()                                  # (rows, V)
-                lse = torch.logsumexp(logits, dim=-1)                               # (rows,)
-                loss = loss + wk * ((lse - logits.gather(1, tc[:, None]).squeeze(1)) * vc).sum()
-                g = (logits - lse[:, None]).exp_()                                  # softmax
+                logp = torch.log_softmax(logits, dim=-1)
+                loss = loss - wk * (logp.gather(1, tc[:, None]).squeeze(1) * vc).sum()
+                del logp
+                # softmax through its own kernel: on CPUs exp() of shifted logits that underflow (common at
+                # early exits, where h_1 is close to the token's own embedding) is ~10x slower
+                g = torch.softmax(logits, dim=-1)                                   # (rows, V)
+                del logits
                 g[torch.arange(g.size(0), device=g.device), tc] -= 1.0              # dCE/dlogits = p - onehot
                 g *= (vc * (wk / n))[:, None]
                 g = g.to(xc.dtype)
