@@ -1,0 +1,412 @@
+"""
+Variable-depth diagnostics of a trained looped GPT: what does each loop buy, and does the loss see ||h||?
+(papers.md §1: the readout blind spot, its variable-depth benchmark, calibrated halting and radial clamp.)
+
+    python eval_depth.py out-loop-rmsnorm                  # a folder holding ckpt.pt (or the ckpt file itself)
+    python eval_depth.py out-loop-raw --n_seqs=1024 --json=raw_depth.json
+
+On n_seqs validation windows of the training context length it reports, on stdout and in a JSON file
+(default <out_dir>/eval_depth.json):
+  fixed depth      val CE / PPL and ||h_k|| at every exit k = 1..R, and R+1..2R (extrapolation: more loops
+                   than trained)
+  adaptive exit    sequence granularity: a sequence stops at the first exit k < R whose confidence (its
+                   tokens' mean max-prob, top1-top2 logit margin, or 1 - H/log V) reaches a threshold, else at R;
+                   thresholds at quantiles of the scores; the curve average loops vs PPL
+  calibrated       the threshold with the fewest average loops whose PPL <= 1.01 x the fixed-R PPL on a
+  halting          calibration half (even-numbered windows), then tested on the other half, with real
+                   dynamic-depth batching (exited sequences leave the batch) timed against fixed R
+  radial clamp     CE when, at inference, each loop's update loses its radial part, or every loop's state is
+                   rescaled to loop 1's per-token RMS: what the norm growth is worth to the predictions
+  radial gradient  |<dL/dh, h>| / (||dL/dh|| ||h||) per token at each loop state, through exit k's readout
+  fraction         alone (Lemma 1: ~0 for RMSNorm/LayerNorm readouts) and for the whole training loss
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from common import die, load_checkpoint, build_model, load_meta
+
+POLICIES = ('maxprob', 'margin', 'entropy')  # entropy = 1 - H/log V
+CLAMPS = ('none', 'radial', 'freeze')
+
+# -----------------------------------------------------------------------------
+# the loop, run here step by step so that the clamp can act between loops (model.py stays untouched)
+
+def remove_radial(h_new, h_prev):
+    """papers.md §1 radial clamp (i): h_new - a u with u = h_prev / rms(h_prev), a = mean_c(u_c (h_new - h_prev)_c),
+    per token: the update keeps only its part orthogonal to h_prev."""
+    u = h_prev / h_prev.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-12)  # (B, T, C), unit RMS
+    a = (u * (h_new - h_prev)).mean(-1, keepdim=True)                          # (B, T, 1)
+    return h_new - a * u
+
+
+def rescale_rms(h, ref):
+    """papers.md §1 radial clamp (ii), "freeze to loop 1": h rescaled, per token, to the RMS of ref."""
+    rms = lambda t: t.pow(2).mean(-1, keepdim=True).sqrt()
+    return h * (rms(ref) / rms(h).clamp(min=1e-12))
+
+
+def run_loops(model, idx, n_loop=None, clamp='none'):
+    """model.loop_states(idx, n_loop) with an optional inference-time clamp between loops.
+    clamp='radial': from loop 2 on, the radial part of each loop's update (relative to the state that entered
+    the loop) is removed; clamp='freeze': from loop 2 on, each state is rescaled to loop 1's per-token RMS.
+    Loop 1 is left alone in both: its 'update' maps the embedding into the loop. The clamped state is what
+    is read out and what enters the next loop."""
+    assert clamp in CLAMPS, f"clamp={clamp!r}: choose one of {', '.join(CLAMPS)}"
+    R = model.config.n_loop if n_loop is None else n_loop
+    x = model.embed(idx)
+    rope = model.rope(0, idx.size(1))
+    states = []
+    for k in range(1, R + 1):
+        x_in = x
+        for block in model.transformer.h:   # the same K blocks every round
+            x = block(x, rope)
+        if k > 1 and clamp == 'radial':
+            x = remove_radial(x, x_in)
+        elif k > 1 and clamp == 'freeze':
+            x = rescale_rms(x, states[0])
+        states.append(x)                    # h_k: after the layers (and the clamp), before readout and loop norm
+        if k < R:
+            x = model.transformer.ln_loop(x)
+    return states
+
+# -----------------------------------------------------------------------------
+# per-sequence CE and confidence at every exit
+
+def confidence(logits, policy):
+    """Per-token confidence (B, T) of logits (B, T, V) under one policy; higher = more sure."""
+    logits = logits.float()
+    if policy == 'maxprob':
+        return logits.softmax(-1).max(-1).values
+    if policy == 'margin':
+        top2 = logits.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if policy == 'entropy':
+        logp = logits.log_softmax(-1)
+        H = -(logp.exp() * logp).sum(-1)
+        return 1.0 - H / math.log(logits.size(-1))
+    raise ValueError(f"policy={policy!r}: choose one of {', '.join(POLICIES)}")
+
+
+def seq_ce(logits, targets):
+    """Mean CE per sequence (B,) of logits (B, T, V)."""
+    B, T, V = logits.shape
+    return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), reduction='none').view(B, T).mean(1)
+
+
+@torch.no_grad()
+def exit_stats(model, X, Y, n_loop, batch_size, clamp='none'):
+    """Run every window through n_loop loops. Returns ce (N, n_loop) per-sequence CE at every exit,
+    scores {policy: (N, n_loop)} per-sequence mean confidence, norms (n_loop,) mean per-token ||h_k||."""
+    ce, norms, scores = [], [], {p: [] for p in POLICIES}
+    for i in range(0, X.size(0), batch_size):
+        idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
+        states = run_loops(model, idx, n_loop, clamp)
+        c, s = [], {p: [] for p in POLICIES}
+        for k, h in enumerate(states, start=1):
+            logits = model.readout(h, k)  # (B, T, V)
+            c.append(seq_ce(logits, tgt))
+            for p in POLICIES:
+                s[p].append(confidence(logits, p).mean(1))
+        ce.append(torch.stack(c, 1))
+        for p in POLICIES:
+            scores[p].append(torch.stack(s[p], 1))
+        norms.append(torch.stack([h.float().norm(dim=-1).sum() for h in states]))
+    n_tok = X.numel()
+    return (torch.cat(ce).double().cpu(), {p: torch.cat(v).double().cpu() for p, v in scores.items()},
+            (torch.stack(norms).sum(0) / n_tok).cpu())
+
+# -----------------------------------------------------------------------------
+# adaptive exit and calibrated halting (pure functions of the per-sequence tables)
+
+def ppl(ce):
+    return math.exp(float(ce.mean()))
+
+
+def exit_loops(scores, threshold):
+    """Loops used per sequence (N,) long: the first exit k < R with score >= threshold, else R.
+    scores (N, R) per-sequence confidence at exits 1..R (the last column is never consulted)."""
+    N, R = scores.shape
+    hit = scores[:, :R - 1] >= threshold  # (N, R-1)
+    first = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full((N,), R))  # argmax = first True
+    return first.long()
+
+
+def adaptive(ce, scores, threshold):
+    """(average loops, PPL) when every sequence exits by `threshold` (ce, scores: (N, R))."""
+    loops = exit_loops(scores, threshold)
+    return float(loops.double().mean()), ppl(ce.gather(1, (loops - 1)[:, None]))
+
+
+def quantile_thresholds(scores, qs):
+    """Thresholds at quantiles qs of the scores of exits 1..R-1 (the only ones a threshold acts on)."""
+    pooled = scores[:, :-1].reshape(-1).double()
+    return torch.quantile(pooled, torch.as_tensor(qs, dtype=torch.float64)).tolist()
+
+
+def calibrate(ce, scores, tol=1.01):
+    """The threshold with the fewest average loops whose PPL <= tol x the fixed-R PPL (ties: lower PPL).
+    Candidates: every score value at exits 1..R-1, and +inf (never exit early, always feasible).
+    Returns (threshold, average loops, PPL) on this split."""
+    limit = tol * ppl(ce[:, -1])
+    best = (math.inf, float(ce.size(1)), ppl(ce[:, -1]))
+    for t in torch.unique(scores[:, :-1]).tolist():
+        loops, p = adaptive(ce, scores, t)
+        if p <= limit and (loops, p) < (best[1], best[2]):
+            best = (t, loops, p)
+    return best
+
+# -----------------------------------------------------------------------------
+# real dynamic-depth batching
+
+def sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
+    """One pass over the windows. threshold None: every sequence runs R loops and one readout (fixed depth).
+    Else after every loop k < R the batch is read out, its sequences scored, and those with score >= threshold
+    leave the batch (their CE is taken at exit k): the remaining loops run on fewer rows.
+    Returns (total CE over sequences, total loops used)."""
+    R = model.config.n_loop
+    T = X.size(1)
+    rope = model.rope(0, T)
+    ce_sum, loops_sum = 0.0, 0
+    for i in range(0, X.size(0), batch_size):
+        x, tgt = model.embed(X[i:i + batch_size]), Y[i:i + batch_size]
+        for k in range(1, R + 1):
+            for block in model.transformer.h:
+                x = block(x, rope)
+            if threshold is None and k < R:
+                x = model.transformer.ln_loop(x)
+                continue
+            logits = model.readout(x, k)
+            out = torch.ones(x.size(0), dtype=torch.bool, device=x.device) if k == R else \
+                confidence(logits, policy).mean(1) >= threshold
+            if bool(out.any()):
+                ce_sum += float(seq_ce(logits[out], tgt[out]).sum())
+                loops_sum += k * int(out.sum())
+                x, tgt = x[~out], tgt[~out]
+            if x.size(0) == 0:
+                break
+            if k < R:
+                x = model.transformer.ln_loop(x)
+    return ce_sum, loops_sum
+
+
+def timed_pass(model, X, Y, batch_size, threshold, policy, repeats):
+    """Best-of-repeats wall time of depth_pass (after one warm-up), and its (PPL, average loops)."""
+    ce_sum, loops_sum = depth_pass(model, X, Y, batch_size, threshold, policy)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        sync(X.device)
+        t0 = time.perf_counter()
+        depth_pass(model, X, Y, batch_size, threshold, policy)
+        sync(X.device)
+        best = min(best, time.perf_counter() - t0)
+    N = X.size(0)
+    return dict(seconds=best, tok_per_s=X.numel() / best, ppl=math.exp(ce_sum / N), avg_loops=loops_sum / N)
+
+# -----------------------------------------------------------------------------
+# radial gradient fraction
+
+def radial_fraction(g, h):
+    """Mean over tokens of |<g, h>| / (||g|| ||h||); g, h (B, T, C)."""
+    g, h = g.detach().double(), h.detach().double()
+    cos = (g * h).sum(-1).abs() / (g.norm(dim=-1) * h.norm(dim=-1)).clamp(min=1e-300)
+    return float(cos.mean())
+
+
+def radial_gradient(model, X, Y, batch_size):
+    """Radial gradient fraction at every loop state h_k, averaged over batches:
+    'readout': of exit k's CE through its own readout only (papers.md §1 Lemma 1: 0 for a scale-invariant
+    readout); 'total': of the whole training loss (weighted exit CEs + norm penalty), through the readout,
+    all later loops and the penalty."""
+    R = model.config.n_loop
+    weights = model.exit_weights(R)
+    lam = model.config.norm_penalty
+    readout_frac, total_frac, n = np.zeros(R), np.zeros(R), 0
+    for i in range(0, X.size(0), batch_size):
+        idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
+        with torch.enable_grad():
+            states = run_loops(model, idx)
+            loss = sum(w * F.cross_entropy(model.readout(h, k).float().flatten(0, 1), tgt.reshape(-1))
+                       for k, (h, w) in enumerate(zip(states, weights), start=1) if w > 0)
+            if lam > 0:  # papers.md §1: lambda * mean_k mean h_k^2 over all R loops
+                loss = loss + lam * torch.stack([h.float().pow(2).mean() for h in states]).mean()
+            grads = torch.autograd.grad(loss, states, allow_unused=True)
+            for k, (h, g) in enumerate(zip(states, grads)):
+                total_frac[k] += radial_fraction(g, h) if g is not None else 0.0
+                hk = h.detach().requires_grad_(True)
+                gk, = torch.autograd.grad(F.cross_entropy(model.readout(hk, k + 1).float().flatten(0, 1),
+                                                          tgt.reshape(-1)), hk)
+                readout_frac[k] += radial_fraction(gk, hk)
+        n += 1
+    return (readout_frac / n).tolist(), (total_frac / n).tolist()
+
+# -----------------------------------------------------------------------------
+# the whole evaluation
+
+def val_windows(data_dir, meta, T, n_seqs):
+    """n_seqs windows of T+1 tokens spread evenly over the validation split: (X, Y) long (n, T)."""
+    path = os.path.join(data_dir, 'val.bin')
+    if not os.path.isfile(path):
+        die(f"{path} not found: prepare the data first (python prepare.py {os.path.basename(data_dir)})")
+    data = np.memmap(path, dtype=np.dtype(meta['dtype']), mode='r')
+    span = len(data) - (T + 1)
+    if span < 0:
+        die(f"{path} holds {len(data)} tokens, fewer than one window of {T + 1}")
+    n = min(n_seqs, span + 1)
+    starts = np.linspace(0, span, n).astype(np.int64)
+    w = torch.from_numpy(np.stack([data[s:s + T + 1].astype(np.int64) for s in starts]))
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+@torch.no_grad()
+def evaluate(model, X, Y, batch_size=16, tol=1.01, policy='margin', n_grad_seqs=64, timing_repeats=3,
+             quantiles=tuple(i / 20 for i in range(21))):
+    """Every diagnostic of this file on the windows (X, Y); returns a JSON-able dict."""
+    model.eval()
+    R = model.config.n_loop
+    ce, scores, norms = exit_stats(model, X, Y, 2 * R, batch_size)  # exits 1..2R
+    res = dict(n_loop=R, n_seqs=X.size(0), seq_len=X.size(1))
+    res['fixed'] = dict(exit=list(range(1, 2 * R + 1)), ce=ce.mean(0).tolist(), ppl=[ppl(c) for c in ce.T],
+                        norm=norms.tolist())
+    res['dppl_1_to_R'] = res['fixed']['ppl'][R - 1] - res['fixed']['ppl'][0]  # papers.md §1: < 0 = depth helps
+    ce, scores = ce[:, :R], {p: s[:, :R] for p, s in scores.items()}       # adaptive exit works within 1..R
+
+    # adaptive exit on all windows, thresholds at score quantiles
+    res['adaptive'] = {}
+    if R > 1:
+        for p in POLICIES:
+            thr = quantile_thresholds(scores[p], quantiles)
+            pts = [adaptive(ce, scores[p], t) for t in thr]
+            res['adaptive'][p] = dict(quantile=list(quantiles), threshold=thr,
+                                      avg_loops=[a for a, _ in pts], ppl=[b for _, b in pts])
+
+    # calibrated halting: calibrate on even windows, test on odd ones
+    cal, held = torch.arange(0, X.size(0), 2), torch.arange(1, X.size(0), 2)
+    res['calibrated'] = dict(tol=tol, policy=policy, fixed_ppl_cal=ppl(ce[cal, -1]), fixed_ppl_held=ppl(ce[held, -1]))
+    for p in POLICIES:
+        t, loops, pc = calibrate(ce[cal], scores[p][cal], tol)
+        lh, ph = adaptive(ce[held], scores[p][held], t)
+        res['calibrated'][p] = dict(threshold=t, cal_avg_loops=loops, cal_ppl=pc, held_avg_loops=lh, held_ppl=ph,
+                                    held_ppl_ratio=ph / res['calibrated']['fixed_ppl_held'])
+    t = res['calibrated'][policy]['threshold']
+    Xh, Yh = X[held], Y[held]
+    fixed = timed_pass(model, Xh, Yh, batch_size, None, policy, timing_repeats)
+    dyn = timed_pass(model, Xh, Yh, batch_size, t, policy, timing_repeats)  # t = inf: nobody exits, readouts still cost
+    res['throughput'] = dict(policy=policy, threshold=t, batch_size=batch_size, fixed=fixed, dynamic=dyn,
+                             speedup=dyn['tok_per_s'] / fixed['tok_per_s'], device=str(X.device),
+                             threads=torch.get_num_threads() if X.device.type == 'cpu' else None)
+
+    # radial clamp at inference: CE at every exit 1..R with each clamp, and the change against none
+    res['clamp'] = {}
+    for c in ('radial', 'freeze'):
+        cc, _, nn_ = exit_stats(model, X, Y, R, batch_size, clamp=c)
+        res['clamp'][c] = dict(ce=cc.mean(0).tolist(), dce=(cc.mean(0) - ce.mean(0)).tolist(), norm=nn_.tolist())
+
+    # radial gradient fraction on the first n_grad_seqs windows
+    rf, tf = radial_gradient(model, X[:n_grad_seqs], Y[:n_grad_seqs], batch_size)
+    res['radial_frac'] = dict(readout=rf, total=tf)
+    return res
+
+
+def print_report(res, title):
+    R = res['n_loop']
+    row = lambda name, vals, fmt: f"  {name:<28}" + ''.join(format(v, fmt).rjust(10) for v in vals)
+    fx = res['fixed']
+    print(title)
+    print(f"fixed depth on {res['n_seqs']} val windows x {res['seq_len']} tokens (exits {R + 1}..{2 * R}: "
+          f"more loops than trained)")
+    print(row('exit k', fx['exit'], 'd'))
+    print(row('val CE', fx['ce'], '.4f'))
+    print(row('val PPL', fx['ppl'], '.3f'))
+    print(row('||h_k|| (mean per token)', fx['norm'], '.1f'))
+    print(f"  PPL change exit 1 -> {R}: {res['dppl_1_to_R']:+.3f}  (negative: the extra loops help)")
+    print("radial clamp at inference (CE at exit k; change against no clamp)")
+    for c, name in (('radial', 'remove radial update'), ('freeze', "rescale to loop 1's RMS")):
+        print(row(name, res['clamp'][c]['ce'], '.4f'))
+        print(row('  change', res['clamp'][c]['dce'], '+.4f'))
+    print("radial gradient fraction |<dL/dh,h>| / (|dL/dh| |h|), mean over tokens")
+    print(row("exit k's CE via its readout", res['radial_frac']['readout'], '.1e'))
+    print(row('training loss (total)', res['radial_frac']['total'], '.1e'))
+    cal = res['calibrated']
+    if res['adaptive']:
+        a = res['adaptive'][cal['policy']]
+        print(f"adaptive exit, policy {cal['policy']}, thresholds at score quantiles (all windows)")
+        print(row('quantile', a['quantile'][::4], '.2f'))
+        print(row('avg loops', a['avg_loops'][::4], '.2f'))
+        print(row('PPL', a['ppl'][::4], '.3f'))
+    print(f"calibrated halting: fewest avg loops with PPL <= {cal['tol']} x fixed-{R} on the even windows, tested on "
+          f"the odd ones (fixed-{R} PPL {cal['fixed_ppl_cal']:.3f} / {cal['fixed_ppl_held']:.3f})")
+    print(f"  {'policy':<10}{'threshold':>12}{'cal loops':>11}{'cal PPL':>10}{'held loops':>12}{'held PPL':>10}"
+          f"{'x fixed':>9}")
+    for p in POLICIES:
+        c = cal[p]
+        print(f"  {p:<10}{c['threshold']:>12.4g}{c['cal_avg_loops']:>11.2f}{c['cal_ppl']:>10.3f}"
+              f"{c['held_avg_loops']:>12.2f}{c['held_ppl']:>10.3f}{c['held_ppl_ratio']:>9.4f}")
+    tp = res['throughput']
+    where = f"{tp['device']}" + (f", {tp['threads']} threads" if tp['threads'] else '')
+    print(f"dynamic-depth batching ({tp['policy']}, batch {tp['batch_size']}, {where}): "
+          f"{tp['dynamic']['tok_per_s']:,.0f} tok/s at {tp['dynamic']['avg_loops']:.2f} avg loops "
+          f"(PPL {tp['dynamic']['ppl']:.3f}) vs fixed-{R} {tp['fixed']['tok_per_s']:,.0f} tok/s "
+          f"(PPL {tp['fixed']['ppl']:.3f}): x{tp['speedup']:.2f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog='eval_depth.py', description=__doc__.split('\n\n')[0])
+    ap.add_argument('out_dir', help='a folder holding ckpt.pt, or the checkpoint file')
+    ap.add_argument('--data_dir', default=None, help="default: data/<the checkpoint's dataset>")
+    ap.add_argument('--n_seqs', type=int, default=512, help='validation windows (half calibrate, half test)')
+    ap.add_argument('--seq_len', type=int, default=0, help='tokens per window; 0 = the model block_size')
+    ap.add_argument('--batch_size', type=int, default=16)
+    ap.add_argument('--tol', type=float, default=1.01, help='calibrated halting: PPL <= tol x fixed-R PPL')
+    ap.add_argument('--policy', default='margin', choices=POLICIES, help='policy of the timed dynamic batching')
+    ap.add_argument('--n_grad_seqs', type=int, default=64, help='windows for the radial gradient fraction')
+    ap.add_argument('--timing_repeats', type=int, default=3)
+    ap.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N')
+    ap.add_argument('--json', default=None, help='output file; default <out_dir>/eval_depth.json')
+    args = ap.parse_args(argv)
+    for name in ('n_seqs', 'batch_size', 'n_grad_seqs', 'timing_repeats'):
+        if getattr(args, name) < 1:
+            die(f"--{name}={getattr(args, name)}: must be >= 1")
+    if not args.tol >= 1.0:
+        die(f"--tol={args.tol}: must be >= 1")
+    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    if device == 'cpu' and hasattr(os, 'sched_getaffinity'):
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use (ablate.py pins them)
+    ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt = load_checkpoint(ckpt_path)
+    model = build_model(ckpt).to(device)
+    cfg = model.config
+    data_dir = args.data_dir or os.path.join('data', ckpt.get('dataset', ''))
+    meta = load_meta(data_dir)
+    T = args.seq_len or cfg.block_size
+    if T > cfg.block_size:
+        die(f"--seq_len={T} is longer than the model's block_size {cfg.block_size}")
+    X, Y = val_windows(data_dir, meta, T, args.n_seqs)
+    t0 = time.time()
+    res = evaluate(model, X.to(device), Y.to(device), args.batch_size, args.tol, args.policy, args.n_grad_seqs,
+                   args.timing_repeats)
+    res.update(checkpoint=ckpt_path, iter_num=ckpt.get('iter_num'), dataset=ckpt.get('dataset'),
+               model_args=ckpt['model_args'], seconds=round(time.time() - t0, 2))
+    print_report(res, f"eval_depth: {ckpt_path} (iter {ckpt.get('iter_num')}; {cfg.supervision} supervision, "
+                      f"{cfg.readout} readout, {cfg.block} block, K={cfg.n_layer} R={cfg.n_loop})")
+    out = args.json or os.path.join(os.path.dirname(ckpt_path) or '.', 'eval_depth.json')
+    with open(out + '.tmp', 'w', encoding='utf-8') as f:
+        json.dump(res, f, indent=1)
+    os.replace(out + '.tmp', out)
+    print(f"wrote {out} ({res['seconds']:.1f}s)")
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,137 @@
+"""
+eval_depth.py: every diagnostic on a tiny model with a known answer (papers.md §1).
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import eval_depth as ed
+from model import GPT, GPTConfig
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(block_size=16, vocab_size=11, n_layer=1, n_loop=3, n_head=2, n_embd=16)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg)).eval()
+
+
+def batch(B=6, T=16, V=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(V, (B, T), generator=g), torch.randint(V, (B, T), generator=g)
+
+
+def test_radial_clamp_is_a_noop_on_a_purely_tangential_update():
+    torch.manual_seed(0)
+    h_prev = torch.randn(2, 5, 8) * 7
+    delta = torch.randn(2, 5, 8)
+    delta -= (delta * h_prev).sum(-1, keepdim=True) / h_prev.pow(2).sum(-1, keepdim=True) * h_prev  # orthogonal
+    h_new = h_prev + delta
+    assert torch.allclose(ed.remove_radial(h_new, h_prev), h_new, atol=1e-5)
+    # a purely radial update (the state only grows) is removed entirely
+    assert torch.allclose(ed.remove_radial(2.5 * h_prev, h_prev), h_prev, atol=1e-4)
+
+
+def test_freeze_clamp_rescales_every_loop_to_loop_one_rms():
+    model = tiny(n_loop=4)
+    X, _ = batch()
+    with torch.no_grad():
+        hs = ed.run_loops(model, X, clamp='freeze')
+    rms = lambda h: h.pow(2).mean(-1).sqrt()
+    for h in hs[1:]:
+        assert torch.allclose(rms(h), rms(hs[0]), rtol=1e-4)
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(inter_loop_norm='rmsnorm'), dict(pos='rope', readout='raw'),
+                                dict(block='sandwich', depth_scaling='deeploop', init='gpt2')])
+def test_unclamped_loop_equals_model_loop_states(kw):
+    model = tiny(**kw)
+    X, _ = batch()
+    with torch.no_grad():
+        for a, b in zip(ed.run_loops(model, X, n_loop=5), model.loop_states(X, n_loop=5)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('readout', ['rmsnorm', 'layernorm'])
+def test_scale_invariant_readout_sends_no_radial_gradient(readout):
+    # papers.md §1 Lemma 1: <dL/dh, h> = 0 for a scale-invariant readout; a raw readout sees the scale
+    X, Y = batch()
+    frac, total = ed.radial_gradient(tiny(readout=readout), X, Y, batch_size=3)
+    assert max(frac) < 1e-5
+    assert total[-1] < 1e-5  # the last state only reaches the loss through its readout
+    raw, _ = ed.radial_gradient(tiny(readout='raw'), X, Y, batch_size=3)
+    assert min(raw) > 1e-3
+
+
+def test_norm_penalty_makes_the_training_loss_see_the_scale():
+    X, Y = batch()
+    _, total = ed.radial_gradient(tiny(norm_penalty=10.0), X, Y, batch_size=6)
+    assert total[-1] > 1e-2
+
+
+def test_quantile_thresholds_are_monotone_and_fewer_loops_follow():
+    torch.manual_seed(0)
+    ce, scores = torch.rand(50, 4).double(), torch.rand(50, 4).double()
+    qs = [i / 10 for i in range(11)]
+    thr = ed.quantile_thresholds(scores, qs)
+    assert all(a <= b for a, b in zip(thr, thr[1:]))
+    loops = [ed.adaptive(ce, scores, t)[0] for t in thr]
+    assert all(a <= b + 1e-12 for a, b in zip(loops, loops[1:]))  # a higher bar = more loops
+    assert loops[0] == 1.0 and ed.adaptive(ce, scores, math.inf)[0] == 4.0
+
+
+def test_exit_at_first_confident_loop():
+    scores = torch.tensor([[0.9, 0.1, 0.1], [0.1, 0.8, 0.9], [0.1, 0.1, 0.1]]).double()
+    assert ed.exit_loops(scores, 0.5).tolist() == [1, 2, 3]
+
+
+def test_calibrated_threshold_meets_its_constraint_with_fewest_loops():
+    g = torch.Generator().manual_seed(0)
+    N, R = 80, 4
+    ce = (3.0 - torch.arange(R).double() * 0.3) + 0.5 * torch.rand(N, R, generator=g).double()  # depth helps
+    scores = torch.rand(N, R, generator=g).double() - ce / 10  # confident where CE is low
+    t, loops, p = ed.calibrate(ce, scores, tol=1.01)
+    limit = 1.01 * ed.ppl(ce[:, -1])
+    assert p <= limit and ed.adaptive(ce, scores, t) == (loops, p)
+    for cand in torch.unique(scores[:, :-1]).tolist():  # no feasible threshold uses fewer loops
+        lc, pc = ed.adaptive(ce, scores, cand)
+        assert not (pc <= limit and lc < loops - 1e-12)
+    # when exit 1 is as good as exit R, one loop is enough
+    flat = ce[:, :1].repeat(1, R)
+    assert ed.calibrate(flat, scores, tol=1.01)[1] == 1.0
+
+
+def test_dynamic_batching_reproduces_the_simulated_exits():
+    model = tiny(n_loop=3)
+    X, Y = batch(B=12)
+    ce, scores, _ = ed.exit_stats(model, X, Y, 3, batch_size=5)
+    t = ed.quantile_thresholds(scores['margin'], [0.5])[0]
+    loops, p = ed.adaptive(ce, scores['margin'], t)
+    ce_sum, loops_sum = ed.depth_pass(model, X, Y, batch_size=5, threshold=t, policy='margin')
+    assert loops_sum / 12 == pytest.approx(loops)
+    assert math.exp(ce_sum / 12) == pytest.approx(p, rel=1e-4)
+    ce_sum, loops_sum = ed.depth_pass(model, X, Y, batch_size=5)  # fixed depth
+    assert loops_sum == 36 and math.exp(ce_sum / 12) == pytest.approx(ed.ppl(ce[:, -1]), rel=1e-4)
+
+
+def test_confidence_policies_known_values():
+    uniform, peaked = torch.zeros(1, 1, 8), torch.tensor([[[10.0, 2.0] + [0.0] * 6]])
+    assert ed.confidence(uniform, 'maxprob').item() == pytest.approx(1 / 8)
+    assert ed.confidence(uniform, 'entropy').item() == pytest.approx(0.0, abs=1e-6)
+    assert ed.confidence(peaked, 'margin').item() == pytest.approx(8.0)
+    assert 0.9 < ed.confidence(peaked, 'entropy').item() <= 1.0
+
+
+def test_cli_writes_table_and_json(tiny_ckpt, tiny_data, capsys):
+    ed.main([str(tiny_ckpt), '--data_dir', str(tiny_data), '--n_seqs=12', '--batch_size=4', '--timing_repeats=1',
+             '--n_grad_seqs=4'])
+    out = capsys.readouterr().out
+    assert 'fixed depth' in out and 'calibrated halting' in out and 'radial gradient fraction' in out
+    res = json.loads((tiny_ckpt / 'eval_depth.json').read_text())
+    R = res['n_loop']
+    assert len(res['fixed']['ce']) == 2 * R and len(res['radial_frac']['readout']) == R
+    cal = res['calibrated']['margin']
+    assert cal['cal_ppl'] <= 1.01 * res['calibrated']['fixed_ppl_cal'] + 1e-9
+    assert res['throughput']['fixed']['tok_per_s'] > 0
