@@ -52,7 +52,7 @@ wandb_run_name = 'run'
 # data
 dataset = 'shakespeare_char'     # reads data/<dataset>/{train,val}.bin and meta.json (python prepare.py <dataset>)
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all DDP ranks
-batch_size = 12                  # sequences per micro-batch per rank
+batch_size = 8                   # sequences per micro-batch per rank
 block_size = 64                  # context length T
 # model: every GPTConfig field (model.py documents each; papers.md has the formulas)
 vocab_size = 0                   # 0 = meta.json's; larger pads the head (e.g. 50304 for GPT-2 BPE)
