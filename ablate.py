@@ -19,7 +19,6 @@ run (status.json says so) is skipped on the next call, an interrupted one is res
 without it the plots are skipped with a message.
 """
 import argparse
-import ast
 import json
 import math
 import os
@@ -101,22 +100,6 @@ ESCAPE_MARGIN = 0.2  # nats: a run 'escaped' the unigram floor if its final val 
 # -----------------------------------------------------------------------------
 # configs: resolved exactly as train.py resolves them
 
-def train_defaults():
-    """train.py's module-level config globals (the assignments above `config_keys`), read without running it."""
-    with open(os.path.join(REPO, 'train.py'), encoding='utf-8') as f:
-        tree = ast.parse(f.read())
-    out = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id == 'config_keys':
-                break
-            try:
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
-    return out
-
-
 def fmt_value(v):
     return v if isinstance(v, str) else repr(v)
 
@@ -132,7 +115,7 @@ def run_args(preset, a, seed, out_dir, base, sets):
 
 
 def resolve(args_list):
-    return configurator.configure(train_defaults(), args_list)[0]
+    return configurator.configure(configurator.train_defaults(), args_list)[0]
 
 # -----------------------------------------------------------------------------
 # running

@@ -183,3 +183,20 @@ def resume_config(config, explicit, ckpt, path):
     changes = [f"{k} {saved[k]!r} -> {config[k]!r}" for k in sorted(explicit)
                if k in saved and saved[k] != config[k] and k not in ('init_from', 'out_dir')]
     return out, changes
+
+
+def train_defaults(train_py=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')):
+    """train.py's module-level config globals (the literal assignments above `config_keys`), read without
+    running it: what ablate.py and the tests resolve configs against."""
+    with open(train_py, encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == 'config_keys':
+                break
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return out

@@ -6,7 +6,6 @@ Most runs here execute train.py in this process (runpy), which is fast and sees 
 line would: a clean error is a SystemExit(1) with one line on stderr, anything else would be a traceback.
 A few tests start real subprocesses to pin the command line itself.
 """
-import ast
 import contextlib
 import glob
 import io
@@ -92,19 +91,7 @@ def read_metrics(path):
         return [json.loads(line) for line in f]
 
 
-def train_defaults():
-    """train.py's config globals (the literal assignments above the configurator line)."""
-    tree = ast.parse(open(TRAIN, encoding='utf-8').read())
-    out = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id == 'config_keys':
-                break
-            try:
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
-    return out
+from configurator import train_defaults  # train.py's config globals, read without running it
 
 
 # -----------------------------------------------------------------------------
