@@ -20,7 +20,6 @@ On n_seqs validation windows of the training context length it reports, on stdou
   radial gradient  |<dL/dh, h>| / (||dL/dh|| ||h||) per token at each loop state, through exit k's readout
   fraction         alone (Lemma 1: ~0 for RMSNorm/LayerNorm readouts) and for the whole training loss
 """
-import argparse
 import json
 import math
 import os
@@ -30,69 +29,54 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from common import die, load_checkpoint, build_model, load_meta
+import checkpoint
+from errors import Parser, die
+from model import EXIT_POLICIES as POLICIES, exit_score
+from prepare import load_meta
 
-POLICIES = ('maxprob', 'margin', 'entropy')  # entropy = 1 - H/log V
 CLAMPS = ('none', 'radial', 'freeze')
 
 # -----------------------------------------------------------------------------
-# the loop, run here step by step so that the clamp can act between loops (model.py stays untouched)
+# the radial clamp: the loop states with each loop's radial growth taken out (docs/papers.md §1)
 
 def remove_radial(h_new, h_prev):
-    """papers.md §1 radial clamp (i): h_new - a u with u = h_prev / rms(h_prev), a = mean_c(u_c (h_new - h_prev)_c),
-    per token: the update keeps only its part orthogonal to h_prev."""
+    """Clamp (i): h_new - a u with u = h_prev / rms(h_prev), a = mean_c(u_c (h_new - h_prev)_c), per token:
+    the update keeps only its part orthogonal to h_prev."""
     u = h_prev / h_prev.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-12)  # (B, T, C), unit RMS
     a = (u * (h_new - h_prev)).mean(-1, keepdim=True)                          # (B, T, 1)
     return h_new - a * u
 
 
 def rescale_rms(h, ref):
-    """papers.md §1 radial clamp (ii), "freeze to loop 1": h rescaled, per token, to the RMS of ref."""
+    """Clamp (ii), "freeze to loop 1": h rescaled, per token, to the RMS of ref."""
     rms = lambda t: t.pow(2).mean(-1, keepdim=True).sqrt()
     return h * (rms(ref) / rms(h).clamp(min=1e-12))
 
 
-def run_loops(model, idx, n_loop=None, clamp='none'):
-    """model.loop_states(idx, n_loop) with an optional inference-time clamp between loops.
-    clamp='radial': from loop 2 on, the radial part of each loop's update (relative to the state that entered
-    the loop) is removed; clamp='freeze': from loop 2 on, each state is rescaled to loop 1's per-token RMS.
-    Loop 1 is left alone in both: its 'update' maps the embedding into the loop. The clamped state is what
-    is read out and what enters the next loop."""
+def clamped_states(model, idx, n_loop=None, clamp='none'):
+    """The loop states h_1..h_R of idx, with an inference-time clamp from loop 2 on (loop 1 is left alone:
+    its 'update' maps the embedding into the loop). clamp='radial': each loop's update loses its radial
+    part relative to the state that entered the loop; clamp='freeze': each state is rescaled to loop 1's
+    per-token RMS. The clamped state is what is read out and what enters the next loop."""
     assert clamp in CLAMPS, f"clamp={clamp!r}: choose one of {', '.join(CLAMPS)}"
     R = model.config.n_loop if n_loop is None else n_loop
-    x = model.embed(idx)
-    rope = model.rope(0, idx.size(1))
-    states = []
-    for k in range(1, R + 1):
-        x_in = x
-        for block in model.transformer.h:   # the same K blocks every round
-            x = block(x, rope)
+    states, x_in = [], None
+
+    def carry(k, h):  # what enters loop k+1: the clamped state h_k, through the model's own loop norm
+        nonlocal x_in
+        x_in = model.transformer.ln_loop(states[-1])
+        return x_in
+
+    for k, h in model.loops(model.embed(idx), R, between=carry):
         if k > 1 and clamp == 'radial':
-            x = remove_radial(x, x_in)
+            h = remove_radial(h, x_in)
         elif k > 1 and clamp == 'freeze':
-            x = rescale_rms(x, states[0])
-        states.append(x)                    # h_k: after the layers (and the clamp), before readout and loop norm
-        if k < R:
-            x = model.transformer.ln_loop(x)
+            h = rescale_rms(h, states[0])
+        states.append(h)
     return states
 
 # -----------------------------------------------------------------------------
 # per-sequence CE and confidence at every exit
-
-def confidence(logits, policy):
-    """Per-token confidence (B, T) of logits (B, T, V) under one policy; higher = more sure."""
-    logits = logits.float()
-    if policy == 'maxprob':
-        return logits.softmax(-1).max(-1).values
-    if policy == 'margin':
-        top2 = logits.topk(2, dim=-1).values
-        return top2[..., 0] - top2[..., 1]
-    if policy == 'entropy':
-        logp = logits.log_softmax(-1)
-        H = -(logp.exp() * logp).sum(-1)
-        return 1.0 - H / math.log(logits.size(-1))
-    raise ValueError(f"policy={policy!r}: choose one of {', '.join(POLICIES)}")
-
 
 def seq_ce(logits, targets):
     """Mean CE per sequence (B,) of logits (B, T, V)."""
@@ -107,13 +91,13 @@ def exit_stats(model, X, Y, n_loop, batch_size, clamp='none'):
     ce, norms, scores = [], [], {p: [] for p in POLICIES}
     for i in range(0, X.size(0), batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
-        states = run_loops(model, idx, n_loop, clamp)
+        states = clamped_states(model, idx, n_loop, clamp)
         c, s = [], {p: [] for p in POLICIES}
         for k, h in enumerate(states, start=1):
             logits = model.readout(h, k)  # (B, T, V)
             c.append(seq_ce(logits, tgt))
             for p in POLICIES:
-                s[p].append(confidence(logits, p).mean(1))
+                s[p].append(exit_score(logits, p).mean(1))
         ce.append(torch.stack(c, 1))
         for p in POLICIES:
             scores[p].append(torch.stack(s[p], 1))
@@ -177,28 +161,23 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
     leave the batch (their CE is taken at exit k): the remaining loops run on fewer rows.
     Returns (total CE over sequences, total loops used)."""
     R = model.config.n_loop
-    T = X.size(1)
-    rope = model.rope(0, T)
     ce_sum, loops_sum = 0.0, 0
     for i in range(0, X.size(0), batch_size):
-        x, tgt = model.embed(X[i:i + batch_size]), Y[i:i + batch_size]
-        for k in range(1, R + 1):
-            for block in model.transformer.h:
-                x = block(x, rope)
+        tgt, stay = Y[i:i + batch_size], None
+        # rows that exited leave the batch before the next loop
+        drop_exited = lambda k, h: model.transformer.ln_loop(h if stay is None else h[stay])
+        for k, h in model.loops(model.embed(X[i:i + batch_size]), R, between=drop_exited):
             if threshold is None and k < R:
-                x = model.transformer.ln_loop(x)
                 continue
-            logits = model.readout(x, k)
-            out = torch.ones(x.size(0), dtype=torch.bool, device=x.device) if k == R else \
-                confidence(logits, policy).mean(1) >= threshold
+            logits = model.readout(h, k)
+            out = torch.ones(h.size(0), dtype=torch.bool, device=h.device) if k == R else \
+                exit_score(logits, policy).mean(1) >= threshold
             if bool(out.any()):
                 ce_sum += float(seq_ce(logits[out], tgt[out]).sum())
                 loops_sum += k * int(out.sum())
-                x, tgt = x[~out], tgt[~out]
-            if x.size(0) == 0:
+            stay, tgt = ~out, tgt[~out]
+            if tgt.size(0) == 0:
                 break
-            if k < R:
-                x = model.transformer.ln_loop(x)
     return ce_sum, loops_sum
 
 
@@ -231,18 +210,12 @@ def radial_gradient(model, X, Y, batch_size):
     readout); 'total': of the whole training loss (weighted exit CEs + norm penalty), through the readout,
     all later loops and the penalty."""
     R = model.config.n_loop
-    weights = model.exit_weights(R)
-    lam = model.config.norm_penalty
     readout_frac, total_frac, n = np.zeros(R), np.zeros(R), 0
     for i in range(0, X.size(0), batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
         with torch.enable_grad():
-            states = run_loops(model, idx)
-            loss = sum(w * F.cross_entropy(model.readout(h, k).float().flatten(0, 1), tgt.reshape(-1))
-                       for k, (h, w) in enumerate(zip(states, weights), start=1) if w > 0)
-            if lam > 0:  # papers.md §1: lambda * mean_k mean h_k^2 over all R loops
-                loss = loss + lam * torch.stack([h.float().pow(2).mean() for h in states]).mean()
-            grads = torch.autograd.grad(loss, states, allow_unused=True)
+            states = model.states(idx)
+            grads = torch.autograd.grad(model.loss(states, tgt), states, allow_unused=True)
             for k, (h, g) in enumerate(zip(states, grads)):
                 total_frac[k] += radial_fraction(g, h) if g is not None else 0.0
                 hk = h.detach().requires_grad_(True)
@@ -362,8 +335,18 @@ def print_report(res, title):
           f"(PPL {tp['fixed']['ppl']:.3f}): x{tp['speedup']:.2f}")
 
 
+def json_safe(obj):
+    """obj with every non-finite float as None (null): JSON has no Infinity or NaN. A calibrated threshold
+    of +inf means 'never exit early'."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog='eval_depth.py', description=__doc__.split('\n\n')[0])
+    ap = Parser('eval_depth.py', __doc__)
     ap.add_argument('out_dir', help='a folder holding ckpt.pt, or the checkpoint file')
     ap.add_argument('--data_dir', default=None, help="default: data/<the checkpoint's dataset>")
     ap.add_argument('--n_seqs', type=int, default=512, help='validation windows (half calibrate, half test)')
@@ -383,10 +366,10 @@ def main(argv=None):
         die(f"--tol={args.tol}: must be >= 1")
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
     if device == 'cpu' and hasattr(os, 'sched_getaffinity'):
-        torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use (ablate.py pins them)
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores it may use (ablate.py pins them)
     ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
-    ckpt = load_checkpoint(ckpt_path)
-    model = build_model(ckpt).to(device)
+    ckpt = checkpoint.load(ckpt_path)
+    model = checkpoint.build_model(ckpt).to(device)
     cfg = model.config
     data_dir = args.data_dir or os.path.join('data', ckpt.get('dataset', ''))
     meta = load_meta(data_dir)
@@ -403,7 +386,7 @@ def main(argv=None):
                       f"{cfg.readout} readout, {cfg.block} block, K={cfg.n_layer} R={cfg.n_loop})")
     out = args.json or os.path.join(os.path.dirname(ckpt_path) or '.', 'eval_depth.json')
     with open(out + '.tmp', 'w', encoding='utf-8') as f:
-        json.dump(res, f, indent=1)
+        json.dump(json_safe(res), f, indent=1, allow_nan=False)
     os.replace(out + '.tmp', out)
     print(f"wrote {out} ({res['seconds']:.1f}s)")
 

@@ -5,15 +5,16 @@ A looped transformer keeps K distinct layers (`n_layer`) and applies that stack 
 unrolled depth is N = K*R while the parameter count stays that of K layers. Every round ("loop") ends in an
 exit: the state h_k can be read out into logits, which gives per-loop supervision and early exits for free.
 
-The two papers this file implements (formulas in ../shared/papers.md):
-1) The readout blind spot (papers.md §1): per-loop cross-entropy through a scale-invariant readout (RMSNorm,
+The two papers this file implements (formulas and numbers in docs/papers.md):
+1) The readout blind spot (§1): per-loop cross-entropy through a scale-invariant readout (RMSNorm,
    LayerNorm) cannot see ||h||, so pre-norm recurrence lets the hidden-state scale grow unchecked. Knobs:
    `readout`, `supervision`, `norm_penalty`, `inter_loop_norm`.
-2) DeepLoop (papers.md §2): post-norm blocks with alpha = (2N)^p on the skip path and an init-only gain
+2) DeepLoop (§2): post-norm blocks with alpha = (2N)^p on the skip path and an init-only gain
    beta = (8N)^-p; p = 1/4 is DeepNorm, p = 1/2 is DeepLoop. Knobs: `block`, `depth_scaling`.
 
-Where to look: the loop is GPT.loop_states, the readout GPT.readout, the loss GPT.forward / linear_cross_entropy,
-the scaling rule GPTConfig.alpha / GPTConfig.beta and GPT._init_weights.
+Where to look: the loop is GPT.loops (written once: training, decoding, early exit and every diagnostic go
+through it), the readout GPT.readout, the loss GPT.loss / LinearCrossEntropy, the scaling rule
+GPTConfig.alpha / GPTConfig.beta, applied in Block and GPT._init_weights.
 """
 
 import math
@@ -24,8 +25,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-# the named choices of every knob; GPTConfig.__post_init__ checks against these
-CHOICES = dict(
+# the named choices of every model key; GPTConfig.__post_init__ checks against these
+MODEL_CHOICES = dict(
     pos=('learned', 'rope'),
     mlp=('swiglu', 'gelu'),
     norm=('rmsnorm', 'layernorm'),
@@ -35,39 +36,36 @@ CHOICES = dict(
     inter_loop_norm=('none', 'rmsnorm', 'layernorm'),
     block=('preln', 'postln', 'sandwich'),
 )
-# depth_scaling by name -> exponent p of alpha = (2N)^p, beta = (8N)^-p (papers.md §2)
+# depth_scaling by name -> exponent p of alpha = (2N)^p, beta = (8N)^-p (docs/papers.md §2)
 DEPTH_EXPONENTS = {'none': 0.0, 'deepnorm': 0.25, 'deeploop': 0.5}
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256          # context length T
-    vocab_size: int = 65           # V (65 = shakespeare_char)
+    # every field is also a config key of train.py (`--n_loop=8`); the defaults are the embedded default run
+    block_size: int = 64           # context length T
+    vocab_size: int = 65           # V; train.py reads it from meta.json unless set (larger pads the head)
     n_layer: int = 2               # K: distinct layers in the shared stack
     n_loop: int = 4                # R: rounds through that stack; N = K*R unrolled blocks
     n_head: int = 4
     n_embd: int = 128              # C
     dropout: float = 0.0
-    bias: bool = False             # biases in Linear and LayerNorm layers
     pos: str = 'learned'           # learned absolute position embedding | rope
     mlp: str = 'swiglu'            # swiglu (width 4C, three matrices) | gelu (nanoGPT's MLP)
-    norm: str = 'rmsnorm'          # the norm inside blocks
-    tie_weights: bool = True       # LM head shares the token embedding matrix
-    init: str = 'reference'        # reference: PyTorch defaults, wte ~ N(0,1) (paper 1's code) | gpt2: N(0, 0.02)
-    readout: str = 'rmsnorm'       # what sits between h_k and the LM head (papers.md §1)
-    supervision: str = 'per_loop'  # per_loop: weighted mean of the R exit CEs | terminal: exit R only
-    exit_weights: tuple = ()       # per-exit loss weights under per_loop; () = uniform 1/R
-    norm_penalty: float = 0.0      # lambda of lambda * mean_k mean(h_k^2); 0 = off
-    inter_loop_norm: str = 'none'  # a norm applied to h between loops (scale-removing recurrence, as in Ouro)
-    block: str = 'preln'           # preln: x + f(Norm x) | postln: Norm(a x + f(x)) | sandwich: Norm(a x + f(Norm x))
-    depth_scaling: object = 'none'  # none | deepnorm (p=1/4) | deeploop (p=1/2) | a number p
-    loop_eps: float = 0.0          # lambda of the pre-norm branch multiplier lambda/(R sqrt K) (papers.md §3); 0 = off
+    norm: str = 'rmsnorm'          # the norm inside blocks: rmsnorm | layernorm
+    init: str = 'reference'        # reference: PyTorch defaults, wte ~ N(0,1) (paper 1) | gpt2: N(0, 0.02)
+    readout: str = 'rmsnorm'       # between h_k and the LM head: rmsnorm | layernorm | raw | final_only (§1)
+    supervision: str = 'per_loop'  # per_loop: mean of the R exit CEs | terminal: exit R only
+    norm_penalty: float = 0.0      # lambda of lambda * mean_k mean(h_k^2) (§1; paper 1 uses 0.01); 0 = off
+    inter_loop_norm: str = 'none'  # none | rmsnorm | layernorm: norm the state between loops (scale-removing)
+    block: str = 'preln'           # preln | postln (DeepNorm) | sandwich (DeepLoop): see Block (§2)
+    depth_scaling: object = 'none'  # none | deepnorm (p=1/4) | deeploop (p=1/2) | a number p (§2)
+    loop_eps: float = 0.0          # lambda of the pre-norm branch multiplier lambda/(R sqrt K) (§3); 0 = off
 
     def __post_init__(self):
-        for key, allowed in CHOICES.items():
-            value = getattr(self, key)
-            if value not in allowed:
-                raise ValueError(f"{key}={value!r}: choose one of {', '.join(allowed)}")
+        for key, allowed in MODEL_CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}")
         for key in ('block_size', 'vocab_size', 'n_layer', 'n_loop', 'n_head', 'n_embd'):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,7 +73,8 @@ class GPTConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos == 'rope' and (self.n_embd // self.n_head) % 2 != 0:
-            raise ValueError(f"pos='rope' needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}")
+            raise ValueError(f"pos='rope' needs an even head size, got n_embd/n_head = "
+                             f"{self.n_embd // self.n_head}")
         for key in ('dropout', 'norm_penalty', 'loop_eps'):
             if not math.isfinite(getattr(self, key)):
                 raise ValueError(f"{key}={getattr(self, key)!r}: must be a finite number")
@@ -87,27 +86,31 @@ class GPTConfig:
             raise ValueError(f"loop_eps={self.loop_eps!r}: must be >= 0 (0 = off)")
         if self.loop_eps > 0 and self.block != 'preln':
             raise ValueError("loop_eps scales pre-norm branches: it needs block='preln'")
-        self.exit_weights = tuple(float(w) for w in self.exit_weights)
-        if self.exit_weights and (len(self.exit_weights) != self.n_loop or min(self.exit_weights) < 0
-                                  or not all(map(math.isfinite, self.exit_weights))):
-            raise ValueError(f"exit_weights={self.exit_weights}: give n_loop={self.n_loop} weights >= 0, or () for uniform")
-        # depth_scaling: a name, or the exponent p itself (also as a string such as '0.3')
-        p = self.depth_scaling
+        self.depth_scaling = self.parse_depth_scaling(self.depth_scaling)
+        if self.depth_exponent > 0 and self.block == 'preln':
+            raise ValueError(f"depth_scaling={self.depth_scaling!r} scales post-norm skips: "
+                             f"use block='postln' or 'sandwich'")
+
+    @staticmethod
+    def parse_depth_scaling(p):
+        # a name, or the exponent p itself (also as a string such as '0.3')
+        bad = ValueError(f"depth_scaling={p!r}: choose one of none, deepnorm, deeploop, or a number p >= 0")
         if isinstance(p, str) and p not in DEPTH_EXPONENTS:
             try:
                 p = float(p)
             except ValueError:
-                raise ValueError(f"depth_scaling={p!r}: choose one of none, deepnorm, deeploop, or a number p >= 0") from None
-        if isinstance(p, bool) or not isinstance(p, (str, int, float)) or (not isinstance(p, str) and not 0 <= p < 10):
-            raise ValueError(f"depth_scaling={p!r}: choose one of none, deepnorm, deeploop, or a number p >= 0")
-        self.depth_scaling = p
-        if self.p > 0 and self.block == 'preln':
-            raise ValueError(f"depth_scaling={self.depth_scaling!r} scales post-norm skips: use block='postln' or 'sandwich'")
+                raise bad from None
+        if isinstance(p, bool) or not isinstance(p, (str, int, float)):
+            raise bad
+        if not isinstance(p, str) and not 0 <= p < 10:
+            raise bad
+        return p
 
-    # ---- the depth-scaling rule, in one place (papers.md §2) ----
+    # ---- the depth-scaling rule, in one place (docs/papers.md §2) ----
     @property
-    def p(self):
-        return DEPTH_EXPONENTS[self.depth_scaling] if isinstance(self.depth_scaling, str) else float(self.depth_scaling)
+    def depth_exponent(self):
+        p = self.depth_scaling
+        return DEPTH_EXPONENTS[p] if isinstance(p, str) else float(p)
 
     @property
     def n_unrolled(self):
@@ -118,21 +121,21 @@ class GPTConfig:
 
     @property
     def alpha(self):
-        return (2 * self.n_unrolled) ** self.p      # papers.md §2: alpha = (2N)^p multiplies the skip path
+        return (2 * self.n_unrolled) ** self.depth_exponent     # §2: alpha = (2N)^p multiplies the skip path
 
     @property
     def beta(self):
-        return (8 * self.n_unrolled) ** (-self.p)   # papers.md §2: beta = (8N)^-p, an init-only gain
+        return (8 * self.n_unrolled) ** (-self.depth_exponent)  # §2: beta = (8N)^-p, an init-only gain
 
     @property
     def branch_eps(self):
-        # papers.md §3 (Wang et al.): h <- h + eps f(h), eps = lambda / (R sqrt K); 1 when loop_eps is off
+        # docs/papers.md §3 (Wang et al.): h <- h + eps f(h), eps = lambda / (R sqrt K); 1 when off
         return self.loop_eps / (self.n_loop * math.sqrt(self.n_layer)) if self.loop_eps > 0 else 1.0
 
 
-def make_norm(kind, n_embd, bias):
-    # RMSNorm with a learned gain and eps 1e-6 as in the reference code; LayerNorm with an optional bias
-    return nn.RMSNorm(n_embd, eps=1e-6) if kind == 'rmsnorm' else nn.LayerNorm(n_embd, bias=bias)
+def make_norm(kind, n_embd):
+    # RMSNorm with a learned gain and eps 1e-6 as in paper 1's code; LayerNorm without a bias (as the papers)
+    return nn.RMSNorm(n_embd, eps=1e-6) if kind == 'rmsnorm' else nn.LayerNorm(n_embd, bias=False)
 
 
 def apply_rope(x, cos, sin):
@@ -145,8 +148,8 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matrix
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # q, k, v in one matrix
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
@@ -159,8 +162,7 @@ class CausalSelfAttention(nn.Module):
         # keys and values of x; with a cache they are written into this visit's slot and the whole
         # history (positions 0..pos+T-1) is returned
         B, T, C = x.size()
-        k, v = F.linear(x, self.c_attn.weight[C:],
-                        None if self.c_attn.bias is None else self.c_attn.bias[C:]).split(C, dim=2)
+        k, v = F.linear(x, self.c_attn.weight[C:]).split(C, dim=2)
         k, v = self.heads(k, B, T), self.heads(v, B, T)
         if rope is not None:
             k = apply_rope(k, *rope)
@@ -172,8 +174,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None, cache=None, pos=0):
         B, T, C = x.size()
-        q = self.heads(F.linear(x, self.c_attn.weight[:C],
-                                None if self.c_attn.bias is None else self.c_attn.bias[:C]), B, T)
+        q = self.heads(F.linear(x, self.c_attn.weight[:C]), B, T)
         if rope is not None:
             q = apply_rope(q, *rope)
         k, v = self.kv(x, rope, cache, pos)
@@ -193,8 +194,8 @@ class MLP(nn.Module):
         self.swiglu = config.mlp == 'swiglu'
         hidden = 4 * config.n_embd
         # swiglu: c_fc holds the gate and the up projection side by side (two of the three matrices)
-        self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -210,21 +211,21 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One residual layer; all three block types are the same line with different pieces switched in:
         x <- post_norm( alpha * x + eps * f( pre_norm(x) ) )
-    preln:    pre_norm = Norm, post_norm = identity, alpha = 1            (x + f(Norm x); eps from loop_eps)
-    postln:   pre_norm = identity, post_norm = Norm                       (DeepNorm: Norm(alpha x + f(x)))
-    sandwich: pre_norm = Norm, post_norm = Norm                           (DeepLoop: Norm(alpha x + f(Norm x)))
+    preln:    pre_norm = Norm, post_norm = identity, alpha = 1     (x + f(Norm x); eps from loop_eps)
+    postln:   pre_norm = identity, post_norm = Norm                (DeepNorm: Norm(alpha x + f(x)))
+    sandwich: pre_norm = Norm, post_norm = Norm                    (DeepLoop: Norm(alpha x + f(Norm x)))
     """
 
     def __init__(self, config):
         super().__init__()
         pre, post = config.block in ('preln', 'sandwich'), config.block in ('postln', 'sandwich')
-        norm = lambda on: make_norm(config.norm, config.n_embd, config.bias) if on else nn.Identity()
+        norm = lambda on: make_norm(config.norm, config.n_embd) if on else nn.Identity()
         self.ln_1, self.ln_2 = norm(pre), norm(pre)     # pre-norms (GPT-2's names)
         self.pn_1, self.pn_2 = norm(post), norm(post)   # post-norms
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
-        self.alpha = config.alpha       # papers.md §2: alpha = (2N)^p on the skip path (1 unless depth_scaling)
-        self.eps = config.branch_eps    # papers.md §3: eps = lambda/(R sqrt K) on the branch (1 unless loop_eps)
+        self.alpha = config.alpha       # docs/papers.md §2: alpha = (2N)^p on the skip path
+        self.eps = config.branch_eps    # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
     def forward(self, x, rope=None, cache=None, pos=0):
         x = self.pn_1(self.alpha * x + self.eps * self.attn(self.ln_1(x), rope, cache, pos))
@@ -253,8 +254,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight, targets, exit_weights, hs):
-        # hs (E, B, T, C): the readout inputs of the E supervised exits; exit_weights: E floats
+    def forward(ctx, weight, targets, exit_weights, xs):
+        # xs (E, B, T, C): the readout inputs of the E supervised exits (one stacked tensor, not a list: a
+        # list argument breaks torch.compile's graph); exit_weights: E floats
         V, C = weight.shape
         tgt = targets.reshape(-1)
         valid = tgt != -1
@@ -263,9 +265,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         rows = ce_chunk_rows(V, weight.device)
         loss = torch.zeros((), dtype=torch.float32, device=weight.device)
         grad_w = torch.zeros(V, C, dtype=torch.float32, device=weight.device)
-        grad_hs = torch.empty_like(hs)
+        grad_xs = torch.empty_like(xs)
         for e, wk in enumerate(exit_weights):
-            x, grad_x = hs[e].reshape(-1, C), grad_hs[e].view(-1, C)
+            x, grad_x = xs[e].reshape(-1, C), grad_xs[e].view(-1, C)
             for i in range(0, x.size(0), rows):
                 xc, tc, vc = x[i:i + rows], tgt[i:i + rows], valid[i:i + rows]
                 logits = (xc @ weight.t()).float()                                  # (rows, V)
@@ -281,13 +283,13 @@ class LinearCrossEntropy(torch.autograd.Function):
                 g = g.to(xc.dtype)
                 grad_x[i:i + rows] = g @ weight.to(xc.dtype)
                 grad_w += g.t() @ xc
-        ctx.save_for_backward(grad_w.to(weight.dtype), grad_hs)
+        ctx.save_for_backward(grad_w.to(weight.dtype), grad_xs)
         return loss / n
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_w, grad_hs = ctx.saved_tensors
-        return grad_w * grad_out, None, None, grad_hs * grad_out
+        grad_w, grad_xs = ctx.saved_tensors
+        return grad_w * grad_out, None, None, grad_xs * grad_out
 
 
 def cross_entropy_chunked(h, weight, targets):
@@ -302,6 +304,37 @@ def cross_entropy_chunked(h, weight, targets):
     return total / (tgt != -1).sum().clamp(min=1)
 
 
+EXIT_POLICIES = ('maxprob', 'margin', 'entropy')
+
+
+def exit_score(logits, policy):
+    """How sure an exit is of its next token, from its logits (..., V); higher = more sure. Adaptive exit
+    stops at the first loop whose score reaches a threshold (docs/papers.md §1, variable-depth benchmark)."""
+    logits = logits.float()
+    if policy == 'maxprob':                               # the top token's probability, in (0, 1]
+        return logits.softmax(-1).amax(-1)
+    if policy == 'margin':                                # top1 - top2 logit, >= 0
+        top2 = logits.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if policy == 'entropy':                               # 1 - H / log V, in [0, 1]
+        logp = logits.log_softmax(-1)
+        H = -(logp.exp() * logp).sum(-1)
+        return 1.0 - H / math.log(logits.size(-1))
+    raise ValueError(f"exit policy {policy!r}: choose one of {', '.join(EXIT_POLICIES)}")
+
+
+# bf16 dense peak FLOP/s by device name (datasheet numbers, no sparsity), for MFU
+PEAK_FLOPS = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L40S': 362e12, 'L4': 121e12,
+              'A10': 125e12, 'RTX 4090': 165e12, 'RTX 3090': 71e12, 'V100': 125e12, 'T4': 65e12}
+
+
+def peak_flops(device_name):
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in str(device_name).lower():
+            return flops
+    return None
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -313,18 +346,20 @@ class GPT(nn.Module):
             wpe=nn.Embedding(config.block_size, C) if config.pos == 'learned' else nn.Identity(),
             drop=nn.Dropout(config.dropout),
             # DeepLoop puts an RMSNorm on the embedding so RMS(x) = 1 at loop entry in post-norm stacks
-            ln_emb=make_norm(config.norm, C, config.bias) if config.block != 'preln' else nn.Identity(),
+            ln_emb=make_norm(config.norm, C) if config.block != 'preln' else nn.Identity(),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),  # the K shared layers
-            ln_loop=nn.Identity() if config.inter_loop_norm == 'none' else make_norm(config.inter_loop_norm, C, config.bias),
+            # the inter-loop norm (scale-removing recurrence, docs/papers.md §1); identity unless configured
+            ln_loop=nn.Identity() if config.inter_loop_norm == 'none' else
+            make_norm(config.inter_loop_norm, C),
+            # the readout norm; a raw readout has none
             ln_out=nn.Identity() if config.readout == 'raw' else make_norm(
-                'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C, config.bias),
+                'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C),
         ))
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-        if config.tie_weights:
-            self.transformer.wte.weight = self.lm_head.weight
+        self.transformer.wte.weight = self.lm_head.weight  # tied: both papers' models share this matrix
         if config.pos == 'rope':
-            hs = C // config.n_head
-            inv_freq = 1.0 / (10000 ** (torch.arange(0, hs, 2).float() / hs))
+            head_size = C // config.n_head
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, head_size, 2).float() / head_size))
             freqs = torch.outer(torch.arange(config.block_size).float(), inv_freq)  # (T, hs/2)
             self.register_buffer('rope_cos', freqs.cos(), persistent=False)
             self.register_buffer('rope_sin', freqs.sin(), persistent=False)
@@ -337,7 +372,7 @@ class GPT(nn.Module):
         cfg = self.config
         if cfg.init == 'reference':
             # paper 1's code keeps PyTorch's defaults (Linear: Kaiming-uniform; Embedding: N(0, 1)); the tied
-            # matrix is the embedding's, so the initial state norm is about sqrt(C) (papers.md §1)
+            # matrix is the embedding's, so the initial state norm is about sqrt(C) (docs/papers.md §1)
             nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
         else:
             # nanoGPT: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2N) with N unrolled blocks
@@ -345,21 +380,14 @@ class GPT(nn.Module):
                 if p.dim() == 2:
                     std = 0.02 / math.sqrt(2 * cfg.n_unrolled) if name.endswith('c_proj.weight') else 0.02
                     nn.init.normal_(p, mean=0.0, std=std)
-                elif name.endswith('.bias'):
-                    nn.init.zeros_(p)
-        # papers.md §2: beta is an init-only gain on the value projection, the attention output projection
-        # and every MLP matrix (not Q, K or the embeddings); DeepNorm's code scales their biases as well
-        beta = cfg.beta
-        if beta != 1.0:
+        # docs/papers.md §2: beta is an init-only gain on the value projection, the attention output
+        # projection and every MLP matrix (not Q, K or the embeddings)
+        if cfg.beta != 1.0:
             C = cfg.n_embd
             for block in self.transformer.h:
-                block.attn.c_attn.weight[2 * C:] *= beta    # rows of W_v inside the fused q|k|v matrix
-                if block.attn.c_attn.bias is not None:
-                    block.attn.c_attn.bias[2 * C:] *= beta
+                block.attn.c_attn.weight[2 * C:] *= cfg.beta   # rows of W_v inside the fused q|k|v matrix
                 for lin in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-                    lin.weight *= beta
-                    if lin.bias is not None:
-                        lin.bias *= beta
+                    lin.weight *= cfg.beta
 
     def get_num_params(self, non_embedding=True):
         # parameters() yields each shared tensor once: the K layers count once however many loops run,
@@ -382,63 +410,85 @@ class GPT(nn.Module):
     def rope(self, pos, T):
         return (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if self.config.pos == 'rope' else None
 
-    def loop_states(self, idx, n_loop=None):
-        """The R hidden states h_1..h_R, each after loop k's layers, before its readout and any loop norm."""
+    def loops(self, x, n_loop, pos=0, cache=None, between=None, halted=None):
+        """The recurrence, written once: the K shared blocks applied n_loop times to x (B, T, C), the
+        embedded tokens at positions pos... Yields (k, h_k) for k = 1..n_loop: h_k is the state after loop
+        k's blocks, before its readout and any loop norm (where ||h_k|| is measured, docs/papers.md §1).
+
+        between(k, h_k) -> x   what enters loop k+1: by default the inter-loop norm; diagnostics pass their
+                               own (a radial clamp, dropping rows that have exited)
+        cache                  decoding: one (K, V) slot per (loop, layer) visit, written at pos..
+        halted                 decoding with early exit: a (B,) bool mask that the caller sets between
+                               loops. A halted row keeps the state it would have entered the next loop
+                               with, and every visit it skips writes the K/V of that state.
+        """
+        rope = self.rope(pos, x.size(1))
+        K = self.config.n_layer
+        for k in range(1, n_loop + 1):
+            for j, block in enumerate(self.transformer.h):  # the same K blocks every round: shared weights
+                slot = None if cache is None else cache[(k - 1) * K + j]
+                if halted is None:
+                    x = block(x, rope, slot, pos)
+                elif bool(halted.all()):
+                    block.fill_cache(x, rope, slot, pos)    # every row has exited: only K/V left to write
+                else:
+                    x = torch.where(halted[:, None, None], x, block(x, rope, slot, pos))
+            was_halted = None if halted is None else halted.clone()
+            yield k, x                                       # the caller reads out h_k, or halts rows
+            if k < n_loop:
+                x_next = self.transformer.ln_loop(x) if between is None else between(k, x)
+                x = x_next if halted is None else torch.where(was_halted[:, None, None], x, x_next)
+
+    def states(self, idx, n_loop=None):
+        """[h_1, ..., h_R]: every loop state of tokens idx (B, T); n_loop overrides the trained R."""
         R = self.config.n_loop if n_loop is None else n_loop
         assert isinstance(R, int) and R >= 1, f"n_loop must be an integer >= 1, got {R!r}"
-        x = self.embed(idx)
-        rope = self.rope(0, idx.size(1))
-        states = []
-        for k in range(1, R + 1):
-            for block in self.transformer.h:    # the same K blocks every round: weights are shared across loops
-                x = block(x, rope)
-            states.append(x)                    # ||h_k|| is measured here (papers.md §1: before readout and loop norm)
-            if k < R:
-                x = self.transformer.ln_loop(x)  # identity unless inter_loop_norm is set (scale-removing recurrence)
-        return states
+        return [h for _, h in self.loops(self.embed(idx), R)]
 
     # ---- the readout ----
     def readout_norm(self, h, k):
-        # papers.md §1: RMSNorm/LayerNorm readouts are scale-invariant, so d(loss)/dh is orthogonal to h and
-        # nothing in the loss sees ||h||. 'raw' shows the scale; 'final_only' shows it at exits 1..R-1.
+        # docs/papers.md §1: RMSNorm/LayerNorm readouts are scale-invariant, so d(loss)/dh is orthogonal to h
+        # and nothing in the loss sees ||h||. 'raw' shows the scale; 'final_only' shows it at exits 1..R-1.
         if self.config.readout == 'raw' or (self.config.readout == 'final_only' and k < self.config.n_loop):
             return h
         return self.transformer.ln_out(h)
 
     def readout(self, h, k):
-        """Logits of exit k (1-based) from the state h_k: (B, T, C) -> (B, T, V)."""
+        """Logits of exit k (1-based) from the state h_k: (..., C) -> (..., V)."""
         return self.lm_head(self.readout_norm(h, k))
 
     # ---- the loss ----
     def exit_weights(self, R):
-        # papers.md §1: per-loop = (1/R) sum_k CE_k (or the configured weights); terminal = CE_R only
-        if self.config.supervision == 'terminal':
-            return [0.0] * (R - 1) + [1.0]
-        if self.config.exit_weights and R == self.config.n_loop:
-            return list(self.config.exit_weights)
-        return [1.0 / R] * R
+        # docs/papers.md §1: per-loop = (1/R) sum_k CE_k; terminal = CE_R only
+        return [1.0 / R] * R if self.config.supervision == 'per_loop' else [0.0] * (R - 1) + [1.0]
+
+    def norm_penalty(self, states):
+        # docs/papers.md §1: lambda * mean_k mean_{b,t,d} h_k^2 over the pre-norm states of all R loops, also
+        # when only the last loop is supervised
+        return self.config.norm_penalty * torch.stack([h.float().pow(2).mean() for h in states]).mean()
+
+    def loss(self, states, targets):
+        """The training loss of the loop states [h_1..h_R]: the weighted exit CEs plus the norm penalty."""
+        weights = self.exit_weights(len(states))
+        exits = [k for k, w in enumerate(weights, start=1) if w > 0]
+        xs = torch.stack([self.readout_norm(states[k - 1], k) for k in exits])  # (E, B, T, C)
+        exit_w = tuple(weights[k - 1] for k in exits)
+        loss = LinearCrossEntropy.apply(self.lm_head.weight, targets, exit_w, xs)
+        if self.config.norm_penalty > 0:
+            loss = loss + self.norm_penalty(states)
+        return loss
 
     def forward(self, idx, targets=None, n_loop=None):
-        states = self.loop_states(idx, n_loop)
-        R = len(states)
+        states = self.states(idx, n_loop)
         if targets is None:
             # inference: only the last position of the final exit is needed
-            return self.readout(states[-1][:, [-1], :], R), None
-        weights = self.exit_weights(R)
-        exits = [k for k in range(1, R + 1) if weights[k - 1] > 0]
-        hs = [self.readout_norm(states[k - 1], k) for k in exits]
-        loss = LinearCrossEntropy.apply(self.lm_head.weight, targets, tuple(weights[k - 1] for k in exits),
-                                        torch.stack(hs))
-        if self.config.norm_penalty > 0:
-            # papers.md §1: lambda * mean_k mean_{b,t,d} h_k^2 over the pre-norm states of all R loops,
-            # also when only the last loop is supervised
-            loss = loss + self.config.norm_penalty * torch.stack([h.float().pow(2).mean() for h in states]).mean()
-        return None, loss
+            return self.readout(states[-1][:, [-1], :], len(states)), None
+        return None, self.loss(states, targets)
 
     @torch.no_grad()
     def exit_losses(self, idx, targets, n_loop=None):
         """Diagnostics: CE at every exit 1..R and the mean per-token L2 norm ||h_k|| of every loop state."""
-        states = self.loop_states(idx, n_loop)
+        states = self.states(idx, n_loop)
         ce = torch.stack([cross_entropy_chunked(self.readout_norm(h, k), self.lm_head.weight, targets)
                           for k, h in enumerate(states, start=1)])
         norms = torch.stack([h.float().norm(dim=-1).mean() for h in states])
@@ -447,11 +497,13 @@ class GPT(nn.Module):
     # ---- optimizer and accounting (as in nanoGPT) ----
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]    # matrices and embeddings decay; gains and biases don't
+        decay = [p for p in params if p.dim() >= 2]    # matrices and embeddings decay; gains don't
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
-        print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
-        print(f"num non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
+        print(f"num decayed parameter tensors: {len(decay)}, "
+              f"with {sum(p.numel() for p in decay):,} parameters")
+        print(f"num non-decayed parameter tensors: {len(no_decay)}, "
+              f"with {sum(p.numel() for p in no_decay):,} parameters")
         fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type == 'cuda'
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if fused else {}))
 
@@ -461,31 +513,21 @@ class GPT(nn.Module):
         T = cfg.block_size if T is None else T
         R = cfg.n_loop if n_loop is None else n_loop
         layer_params = sum(p.numel() for p in self.transformer.h.parameters())
-        head = cfg.vocab_size * cfg.n_embd
         n_exits = sum(w > 0 for w in self.exit_weights(R))
         # every loop re-uses the K layers' weights, every supervised exit re-uses the head
-        return 6 * (layer_params * R + head * n_exits) + 12 * cfg.n_layer * R * cfg.n_embd * T
+        weight_flops = 6 * (layer_params * R + cfg.vocab_size * cfg.n_embd * n_exits)
+        attention_flops = 12 * cfg.n_layer * R * cfg.n_embd * T  # QK^T and AV of every visit
+        return weight_flops + attention_flops
 
-    # bf16 dense peak FLOP/s by device name (datasheet numbers, no sparsity)
-    PEAK_FLOPS = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L40S': 362e12, 'L4': 121e12,
-                  'A10': 125e12, 'RTX 4090': 165e12, 'RTX 3090': 71e12, 'V100': 125e12, 'T4': 65e12}
-
-    @staticmethod
-    def peak_flops(device_name):
-        for name, flops in GPT.PEAK_FLOPS.items():
-            if name.lower() in str(device_name).lower():
-                return flops
-        return None
-
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None, T=None):
-        """Model flops utilisation of fwdbwd_per_iter sequences in dt seconds, against peak_flops (FLOP/s);
-        by default the peak of the current CUDA device from PEAK_FLOPS (None if unknown)."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak=None, T=None):
+        """Model flops utilisation of fwdbwd_per_iter sequences in dt seconds, against peak (FLOP/s); by
+        default the bf16 peak of the current CUDA device from PEAK_FLOPS (None if unknown)."""
         T = self.config.block_size if T is None else T
-        if peak_flops is None and torch.cuda.is_available():
-            peak_flops = self.peak_flops(torch.cuda.get_device_name())
-        if peak_flops is None:
+        if peak is None and torch.cuda.is_available():
+            peak = peak_flops(torch.cuda.get_device_name())
+        if peak is None:
             return None
-        return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / peak_flops
+        return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / peak
 
     # ---- decoding with a KV cache ----
     def new_cache(self, B, R, device, dtype):
@@ -493,77 +535,56 @@ class GPT(nn.Module):
         # so it has its own keys and values. Slot index = (k-1)*K + j.
         cfg = self.config
         shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        return [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                for _ in range(R * cfg.n_layer)]
+        zeros = lambda: torch.zeros(shape, device=device, dtype=dtype)
+        return [(zeros(), zeros()) for _ in range(R * cfg.n_layer)]
 
-    def step(self, idx, cache, pos, R, exit_threshold=None, exit_policy='maxprob'):
-        """Run tokens idx (B, T) at positions pos.. through up to R loops, writing the cache.
-        Returns the last position's logits (B, V) at each row's exit and the loops used (B,)."""
-        B, T = idx.size()
-        K = self.config.n_layer
-        x = self.embed(idx, pos)
-        rope = self.rope(pos, T)
-        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        used = torch.full((B,), float(R), device=idx.device)
-        logits = None
-        for k in range(1, R + 1):
-            if exit_threshold is not None and bool(done.all()):
-                # every row has exited: the slots of the skipped loops are filled from the exit state, i.e.
-                # each skipped visit writes the K/V of the (frozen) state the row left with
-                for kk in range(k, R + 1):
-                    for j, block in enumerate(self.transformer.h):
-                        block.fill_cache(x, rope, cache[(kk - 1) * K + j], pos)
-                break
-            for j, block in enumerate(self.transformer.h):
-                x_new = block(x, rope, cache[(k - 1) * K + j], pos)
-                # exited rows keep their state; their K/V above came from that frozen state
-                x = x_new if exit_threshold is None else torch.where(done[:, None, None], x, x_new)
-            if exit_threshold is None and k < R:
-                x = self.transformer.ln_loop(x)
+    def decode_step(self, idx, cache, pos, n_loop, exit_threshold=None, exit_policy='maxprob'):
+        """Run tokens idx (B, T) at positions pos.. through up to n_loop loops, writing the cache.
+        Returns the last position's logits (B, V) at each row's exit and the loops each row used (B,).
+        Without exit_threshold every row runs all n_loop loops; with it a row stops at the first loop whose
+        exit_score reaches the threshold (the last loop always exits)."""
+        B = idx.size(0)
+        halted = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        used = torch.full((B,), float(n_loop), device=idx.device)
+        logits = torch.zeros(B, self.config.vocab_size, device=idx.device)
+        adaptive = exit_threshold is not None
+        for k, h in self.loops(self.embed(idx, pos), n_loop, pos, cache, halted=halted if adaptive else None):
+            if (k < n_loop and not adaptive) or bool(halted.all()):
                 continue
-            logits_k = self.readout(x[:, -1, :], k).float()   # (B, V)
-            if exit_threshold is None:
-                logits = logits_k
-                break
-            if exit_policy == 'maxprob':
-                score = logits_k.softmax(dim=-1).max(dim=-1).values
-            else:  # 'margin': top1 - top2 logit
-                top2 = logits_k.topk(2, dim=-1).values
-                score = top2[:, 0] - top2[:, 1]
-            exits = ~done & ((score >= exit_threshold) | (k == R))
-            logits = logits_k if logits is None else torch.where(exits[:, None], logits_k, logits)
-            used = torch.where(exits, torch.full_like(used, k), used)
-            if k < R:
-                x = torch.where(done[:, None, None], x, self.transformer.ln_loop(x))
-            done = done | exits
+            logits_k = self.readout(h[:, -1, :], k).float()  # (B, V)
+            sure = True if k == n_loop else exit_score(logits_k, exit_policy) >= exit_threshold  # (B,)
+            exits = ~halted & sure
+            logits = torch.where(exits[:, None], logits_k, logits)
+            used = torch.where(exits, float(k), used)
+            halted |= exits                                  # the loop keeps these rows' state from here on
         return logits, used
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
                  exit_policy='maxprob', use_cache=True):
         """Sample max_new_tokens after idx (B, T). Fixed exit: every token stops at loop n_loop (default R).
-        Adaptive exit (exit_threshold): a token stops at the first loop whose confidence (exit_policy 'maxprob'
-        or 'margin' = top1 - top2 logit) reaches the threshold. temperature 0 = greedy.
-        The prompt always runs all n_loop loops, so the first new token (read off the prompt pass) uses all of
-        them too. model.last_loops_used holds (B, new) loops per new token."""
+        Adaptive exit (exit_threshold): a token stops at the first loop whose exit_score (exit_policy) reaches
+        the threshold. temperature 0 = greedy. The prompt always runs all n_loop loops, so the first new token
+        (read off the prompt pass) uses all of them too. self.last_loops_used: (B, new) loops per token."""
         R = self.config.n_loop if n_loop is None else n_loop
-        assert exit_policy in ('maxprob', 'margin'), f"exit_policy={exit_policy!r}: choose maxprob or margin"
+        assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: choose one of {EXIT_POLICIES}"
         assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
         bs = self.config.block_size
         cache, pos, used_all = None, 0, []
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits, _ = self(idx[:, -bs:], n_loop=R)
-                logits, used = logits[:, -1, :].float(), torch.full((idx.size(0),), float(R), device=idx.device)
+                logits = logits[:, -1, :].float()
+                used = torch.full((idx.size(0),), float(R), device=idx.device)
             elif cache is None or pos == bs:
                 # (re)fill the cache from the context cropped to the block size, exactly what the uncached
                 # forward sees; positions restart at 0 after a crop, so old keys are invalid
                 idx_cond = idx[:, -bs:]
                 cache = self.new_cache(idx.size(0), R, idx.device, self.lm_head.weight.dtype)
-                logits, used = self.step(idx_cond, cache, 0, R)
+                logits, used = self.decode_step(idx_cond, cache, 0, R)
                 pos = idx_cond.size(1)
             else:
-                logits, used = self.step(idx[:, -1:], cache, pos, R, exit_threshold, exit_policy)
+                logits, used = self.decode_step(idx[:, -1:], cache, pos, R, exit_threshold, exit_policy)
                 pos += 1
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)

@@ -5,14 +5,13 @@ Prepare a dataset: read text, tokenize it, write flat token files, as in nanoGPT
     python prepare.py shakespeare                              # GPT-2 BPE via tiktoken
     python prepare.py wikitext103                              # Hugging Face `datasets` (pip install datasets)
     python prepare.py fineweb_edu --num_docs 100000            # streams FineWeb-Edu sample-10BT
-    python prepare.py gutenberg --input ../shared/data/gutenberg --tokenizer gpt2   # any .txt file or folder
+    python prepare.py gutenberg --input path/to/books --tokenizer gpt2           # any .txt file or folder
 
 Writes data/<dataset>/train.bin and val.bin (flat token ids: uint16, or uint32 when the vocabulary has
 65536 or more entries) and meta.json: dataset, tokenizer, vocab_size, dtype, train_tokens, val_tokens, and
 itos (id -> character) for the char tokenizer. `get_tokenizer(meta)` turns meta.json back into
 encode/decode; train.py calls `prepare(...)` when data/shakespeare_char is missing.
 """
-import argparse
 import itertools
 import json
 import os
@@ -20,16 +19,12 @@ import urllib.request
 
 import numpy as np
 
-from common import die, first_line
+from errors import Parser, die, first_line
 
-REPO = os.path.dirname(os.path.abspath(__file__))
-SHARED_DATA = os.path.join(REPO, '..', 'shared', 'data')  # offline copies beside the repo, if there
-# tiktoken looks for its GPT-2 files in TIKTOKEN_CACHE_DIR before going online (shared/data/README.md)
-if os.path.isdir(os.path.join(SHARED_DATA, 'tiktoken_cache')):
-    os.environ.setdefault('TIKTOKEN_CACHE_DIR', os.path.join(SHARED_DATA, 'tiktoken_cache'))
-
-SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
-SHAKESPEARE_LOCAL = os.path.join(SHARED_DATA, 'tinyshakespeare', 'input.txt')
+# tinyshakespeare, downloaded once as nanoGPT does; set TINYSHAKESPEARE_URL to use another copy, e.g. a local
+# file as file:///path/to/input.txt (urllib reads both)
+SHAKESPEARE_URL = os.environ.get(
+    'TINYSHAKESPEARE_URL', 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt')
 TEXT_DATASETS = {'shakespeare_char': 'char', 'shakespeare': 'gpt2'}  # tinyshakespeare, two tokenizers
 HF_DATASETS = ('wikitext103', 'fineweb_edu')                         # GPT-2 BPE, via Hugging Face `datasets`
 TOKENIZERS = ('char', 'gpt2')
@@ -42,8 +37,8 @@ def gpt2_encoding():
     try:
         return tiktoken.get_encoding('gpt2')
     except Exception as e:  # offline with no cache: requests' ConnectionError, many lines long
-        die(f"could not load tiktoken's GPT-2 files ({type(e).__name__}); offline, set "
-            f"TIKTOKEN_CACHE_DIR=../shared/data/tiktoken_cache")
+        die(f"could not load tiktoken's GPT-2 files ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR to "
+            f"a folder holding them (tiktoken's cache)")
 
 def get_tokenizer(meta):
     """meta.json dict -> (encode: str -> list[int], decode: list[int] -> str)"""
@@ -90,17 +85,16 @@ def read_text(path):
         die(f"--input {path}: not UTF-8 text ({e.reason} at byte {e.start})")
 
 def shakespeare_path(out_dir, dataset):
-    """The offline copy in ../shared if there, else out_dir/<dataset>/input.txt, downloaded once (as nanoGPT)."""
-    if os.path.isfile(SHAKESPEARE_LOCAL):
-        return SHAKESPEARE_LOCAL
+    """out_dir/<dataset>/input.txt, downloaded once from SHAKESPEARE_URL (as nanoGPT does)."""
     path = os.path.join(out_dir, dataset, 'input.txt')
     if not os.path.isfile(path):
         print(f"downloading {SHAKESPEARE_URL}")
         try:
             with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
                 data = r.read()
-        except OSError as e:
-            die(f"could not download tinyshakespeare ({e}); offline, pass --input PATH to a copy of input.txt")
+        except (OSError, ValueError) as e:
+            die(f"could not download tinyshakespeare from {SHAKESPEARE_URL} ({first_line(e)}); offline, pass "
+                f"--input PATH to a copy of input.txt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + '.tmp', 'wb') as f:
             f.write(data)
@@ -181,6 +175,60 @@ def prepare_text(dataset, text, tokenizer, out_dir, val_fraction):
     enc = gpt2_encoding()
     return write_dataset(dataset, out_dir, 'gpt2', enc.n_vocab,
                          {'train': [enc.encode_ordinary(train_text)], 'val': [enc.encode_ordinary(val_text)]})
+
+# -----------------------------------------------------------------------------
+# reading what this file wrote: train.py, sample.py and eval_depth.py check the data here, once
+
+def prepare_command(data_dir):
+    root, dataset = os.path.split(os.path.normpath(data_dir))
+    return f"python prepare.py {dataset}" + ('' if root == 'data' else f" --out_dir {root or '.'}")
+
+def load_meta(data_dir):
+    """data_dir/meta.json as a dict, checked; a missing or broken file dies with the prepare command."""
+    path = os.path.join(data_dir, 'meta.json')
+    if not os.path.isfile(path):
+        die(f"{path} not found: prepare the data first with `{prepare_command(data_dir)}`")
+    try:
+        with open(path, encoding='utf-8') as f:
+            meta = json.load(f)
+        vocab_size, dtype = meta['vocab_size'], meta['dtype']
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        die(f"{path} is not a prepare.py meta.json ({first_line(e)}); rerun `{prepare_command(data_dir)}`")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1 \
+            or dtype not in ('uint16', 'uint32') or vocab_size > np.iinfo(dtype).max + 1:
+        die(f"{path}: vocab_size={vocab_size!r} with dtype={dtype!r} is not valid; "
+            f"rerun `{prepare_command(data_dir)}`")
+    return meta
+
+def check_split(data_dir, split, meta):
+    """The number of tokens in data_dir/<split>.bin, after checking the file fits meta.json."""
+    path = os.path.join(data_dir, f'{split}.bin')
+    dtype = np.dtype(meta['dtype'])
+    if not os.path.isfile(path):
+        die(f"{path} not found: prepare the data first with `{prepare_command(data_dir)}`")
+    size = os.path.getsize(path)
+    if size % dtype.itemsize:
+        die(f"{path}: {size} bytes is not a whole number of {meta['dtype']} tokens (truncated?); "
+            f"rerun `{prepare_command(data_dir)}`")
+    # a token id >= vocab_size would index past the embedding table: a device-side assert on CUDA, a
+    # cryptic IndexError on the CPU, hours into a run. Scan the whole file once, in 16M-token chunks.
+    data = np.memmap(path, dtype=dtype, mode='r') if size else np.zeros(0, dtype)
+    for i in range(0, len(data), 1 << 24):
+        hi = int(data[i:i + (1 << 24)].max())
+        if hi >= meta['vocab_size']:
+            die(f"{path} holds token id {hi} >= vocab_size {meta['vocab_size']} from meta.json; "
+                f"the files do not belong together, rerun `{prepare_command(data_dir)}`")
+    return len(data)
+
+def open_data(data_dir, block_size):
+    """meta.json and both splits' token counts, checked; dies with one line if anything does not fit."""
+    meta = load_meta(data_dir)
+    for split in ('train', 'val'):
+        n = check_split(data_dir, split, meta)
+        if n < block_size + 1:
+            die(f"block_size={block_size} is longer than the {split} split of {data_dir} ({n} tokens); "
+                f"use a smaller --block_size or more data")
+    return meta
 
 # -----------------------------------------------------------------------------
 # Hugging Face datasets: WikiText-103 (paper 1) and FineWeb-Edu (paper 2), GPT-2 BPE
@@ -264,12 +312,8 @@ def prepare(dataset, input_path=None, tokenizer=None, out_dir='data', val_fracti
     die(f"unknown dataset {dataset!r}: choose one of {', '.join([*TEXT_DATASETS, *HF_DATASETS])}, "
         f"or give --input PATH (a .txt file or folder) for your own text")
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        die(f"{message} (see python {self.prog} --help)")
-
 def main(argv=None):
-    p = Parser(prog='prepare.py', allow_abbrev=False, description=__doc__.split('\n\n')[0].strip())
+    p = Parser('prepare.py', __doc__)
     p.add_argument('dataset', help=f"{', '.join([*TEXT_DATASETS, *HF_DATASETS])}, or a name for --input text")
     p.add_argument('--input', default=None, help='a UTF-8 .txt file, or a folder of them')
     p.add_argument('--tokenizer', default=None, help='char or gpt2 (default: the dataset\'s own; gpt2 for --input)')

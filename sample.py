@@ -8,27 +8,18 @@ Sample from a trained looped GPT, as nanoGPT's sample.py does.
 
 The tokenizer comes from data/<dataset>/meta.json (the dataset is named in the checkpoint), or --meta PATH.
 """
-import argparse
-import difflib
 import os
 from contextlib import nullcontext
 
 import torch
 
-from common import die, load_checkpoint, load_meta, build_model
-from prepare import get_tokenizer
+import checkpoint
+from errors import Parser, die
+from model import EXIT_POLICIES
+from prepare import get_tokenizer, load_meta
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, not argparse's usage block
-        if 'unrecognized arguments' in message:
-            flags = [o for a in self._actions for o in a.option_strings if o.startswith('--')]
-            bad = message.split(':', 1)[1].split()[0].split('=')[0]
-            near = difflib.get_close_matches(bad, flags, n=1)
-            message += f"; did you mean {near[0]}?" if near else ''
-        die(f"{message} (see python sample.py --help)")
-
-p = Parser(prog='sample.py', allow_abbrev=False, description='Sample from a trained looped GPT.')
+p = Parser('sample.py', __doc__)
 p.add_argument('--out_dir', default='out', help='folder holding ckpt.pt (or the path of a checkpoint file)')
 p.add_argument('--start', default='\n', help='prompt text, or FILE:path to read the prompt from a file')
 p.add_argument('--num_samples', type=int, default=3, help='number of samples to draw')
@@ -41,8 +32,8 @@ p.add_argument('--n_loop', type=int, default=None, help='loops per token (defaul
                'early exit, more = extrapolation; with --exit_threshold, the most loops a token may use')
 p.add_argument('--exit_threshold', type=float, default=None,
                help='adaptive exit: a token stops at the first loop whose confidence reaches this')
-p.add_argument('--exit_policy', default='maxprob', choices=['maxprob', 'margin'],
-               help='confidence for adaptive exit: max softmax prob, or top1 - top2 logit margin')
+p.add_argument('--exit_policy', default='maxprob', choices=EXIT_POLICIES,
+               help='confidence for adaptive exit: max softmax prob, top1 - top2 logit margin, or 1 - H/log V')
 p.add_argument('--meta', default=None, help='a meta.json (or its folder) to decode with; default: '
                'data/<dataset>/meta.json, else the copy in the checkpoint')
 
@@ -106,7 +97,7 @@ def main(argv=None):
     ctx = nullcontext() if device_type != 'cuda' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
     ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
-    ckpt = load_checkpoint(ckpt_path, 'cpu')  # weights go to the device with the model, below
+    ckpt = checkpoint.load(ckpt_path)  # on the CPU: the weights go to the device with the model, below
     meta = tokenizer_meta(args, ckpt, ckpt_path)
     encode, decode = get_tokenizer(meta)
     try:
@@ -117,7 +108,7 @@ def main(argv=None):
         die("--start: the prompt is empty (give some text, e.g. --start='\\n')")
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]  # (1, T)
 
-    model = build_model(ckpt)
+    model = checkpoint.build_model(ckpt)
     model.eval()
     model.to(device)
     del ckpt  # the optimizer state is not needed to sample

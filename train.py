@@ -3,13 +3,14 @@ Train a looped GPT. Runs on one CPU, one GPU, or several GPUs (or CPU processes)
 
 With no arguments it trains a small looped GPT on shakespeare_char in about five minutes on a laptop CPU:
 per-loop cross-entropy through an RMSNorm readout with the reference init, the setting where paper 1's
-readout blind spot appears (papers.md §1): watch ||h_k|| grow in the eval blocks.
+readout blind spot appears (docs/papers.md §1): watch ||h_k|| grow in the eval blocks.
 
     python train.py                                            # the embedded default
     python train.py config/loop_raw.py                         # one ablation arm
     python train.py config/paper_44m.py config/loop_raw.py     # a GPU preset + an arm (files apply in order)
     python train.py config/loop_raw.py --max_iters=500 --lr_schedule=cosine
     python train.py --init_from=resume --max_iters=6000        # continue out/ckpt.pt where it stopped
+    python train.py config/deeploop.py --print_config=True     # the resolved config as JSON, then exit
 
 DDP, e.g. 4 GPUs on one node (CPU processes work too, with the gloo backend):
     torchrun --standalone --nproc_per_node=4 train.py config/paper_44m.py
@@ -26,17 +27,19 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
 import configurator
-from common import (die, load_checkpoint, model_config, load_state, open_data, atomic_save, rng_state,
-                    set_rng_state, nonfinite_report, first_line)
-from model import GPT
+from errors import die, first_line
+from model import GPT, GPTConfig
+from prepare import open_data
 
 # -----------------------------------------------------------------------------
-# default config values: a small looped GPT on shakespeare_char, per-loop CE + RMSNorm readout (papers.md §1)
+# default config values: a small looped GPT on shakespeare_char, per-loop CE + RMSNorm readout (§1)
 # I/O
 out_dir = 'out'                  # ckpt.pt and metrics.jsonl go here
 eval_interval = 250              # evaluate (and checkpoint) every this many iterations
@@ -45,36 +48,17 @@ eval_iters = 10                  # batches per split per evaluation (the same ba
 eval_only = False                # evaluate once and exit
 always_save_checkpoint = True    # save at every eval, not only when the val loss improves
 init_from = 'scratch'            # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+print_config = False             # print the resolved config as one JSON line and exit (what ablate.py reads)
 # wandb logging
 wandb_log = False                # wandb is imported only when this is on
 wandb_project = 'nanoloop'
 wandb_run_name = 'run'
 # data
-dataset = 'shakespeare_char'     # reads data/<dataset>/{train,val}.bin and meta.json (python prepare.py <dataset>)
-gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all DDP ranks
-batch_size = 8                   # sequences per micro-batch per rank
-block_size = 64                  # context length T
-# model: every GPTConfig field (model.py documents each; papers.md has the formulas)
-vocab_size = 0                   # 0 = meta.json's; larger pads the head (e.g. 50304 for GPT-2 BPE)
-n_layer = 2                      # K distinct layers in the shared stack
-n_loop = 4                       # R rounds through it
-n_head = 4
-n_embd = 128
-dropout = 0.0
-bias = False
-pos = 'learned'                  # learned | rope
-mlp = 'swiglu'                   # swiglu | gelu
-norm = 'rmsnorm'                 # norm inside the blocks: rmsnorm | layernorm
-tie_weights = True
-init = 'reference'               # reference (paper 1's code: wte ~ N(0,1)) | gpt2 (N(0, 0.02))
-readout = 'rmsnorm'              # rmsnorm | layernorm | raw | final_only   (papers.md §1)
-supervision = 'per_loop'         # per_loop (mean of the R exit CEs) | terminal (exit R only)
-exit_weights = ()                # per-exit loss weights; () = uniform
-norm_penalty = 0.0               # lambda of lambda * mean_k mean(h_k^2); paper 1 uses 0.01
-inter_loop_norm = 'none'         # none | rmsnorm | layernorm: norm the state between loops
-block = 'preln'                  # preln | postln (DeepNorm) | sandwich (DeepLoop)   (papers.md §2)
-depth_scaling = 'none'           # none | deepnorm (p=1/4) | deeploop (p=1/2) | a number p
-loop_eps = 0.0                   # lambda of the branch multiplier lambda/(R sqrt K) (papers.md §3); 0 = off
+dataset = 'shakespeare_char'     # data/<dataset>/{train,val}.bin + meta.json (python prepare.py <dataset>)
+gradient_accumulation_steps = 1  # micro-batches per optimizer step in all, shared out over the DDP ranks
+batch_size = 8                   # sequences per micro-batch
+# model: every field of model.GPTConfig is a config key too (n_layer, n_loop, readout, block, ...); their
+# defaults, allowed values and meanings are there, in one place. The embedded default is GPTConfig().
 # AdamW optimizer
 learning_rate = 1e-3             # max learning rate (paper 1: 3e-4, slow for a 5-minute run)
 max_iters = 2000                 # total number of training iterations
@@ -91,23 +75,28 @@ min_lr = 1e-4                    # cosine: final learning rate, ~= learning_rate
 max_bad_steps = 10               # stop after this many consecutive steps with a non-finite loss or gradient
 # system
 device = 'auto'                  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-dtype = 'auto'                   # auto (bfloat16 on CUDA if supported, else float16; float32 elsewhere) | float32 | bfloat16 | float16
+dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 (or fp16) on CUDA, else fp32
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str, tuple))]
-defaults = {k: globals()[k] for k in config_keys}
+config_keys = [k for k, v in globals().items()
+               if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
+defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
 config, explicit = configurator.configure(defaults, sys.argv[1:])  # config files, then --key=value
 ckpt_path = os.path.join(config['out_dir'], 'ckpt.pt')
 ckpt, resume_changes = None, []
 if config['init_from'] == 'resume':
     # the checkpoint's config is the base; only what this command sets explicitly overrides it
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = checkpoint.load(ckpt_path)
     missing = [k for k in ('optimizer', 'iter_num', 'config') if k not in ckpt]
     if missing or not isinstance(ckpt['iter_num'], int) or not isinstance(ckpt['config'], dict):
         die(f"{ckpt_path} cannot be resumed: it lacks {', '.join(missing) or 'a valid iter_num/config'}")
     config, resume_changes = configurator.resume_config(config, explicit, ckpt, ckpt_path)
-gptconf = configurator.check(config)  # choices and ranges, GPTConfig's own validation
+    explicit.add('vocab_size')  # the checkpoint's, not meta.json's
+configurator.check(config)  # choices and ranges, GPTConfig's own validation
+if config['print_config']:
+    print(json.dumps(config))
+    sys.exit(0)
 globals().update(config)
 # -----------------------------------------------------------------------------
 # processes and devices
@@ -124,22 +113,22 @@ if device_type == 'cuda' and not torch.cuda.is_available():
 if device_type == 'mps' and not torch.backends.mps.is_available():
     die("device='mps' but torch.backends.mps.is_available() is False; use --device=cpu")
 if ddp:
-    if gradient_accumulation_steps % world_size != 0:
-        die(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} "
-            f"DDP processes: each rank runs gradient_accumulation_steps/world_size micro-batches")
     if device_type == 'cuda':
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
     dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo')
-gas = gradient_accumulation_steps // world_size  # micro-batches per rank per step
-tokens_per_iter = gas * world_size * batch_size * block_size
+# nanoGPT's convention: gradient_accumulation_steps counts the micro-batches of one optimizer step over all
+# ranks, so the global batch does not depend on the process count; each rank runs its share, rounded up
+micro_steps = math.ceil(gradient_accumulation_steps / world_size)  # micro-batches per rank per step
+tokens_per_iter = micro_steps * world_size * batch_size * block_size
 if device_type == 'cpu' and 'OMP_NUM_THREADS' not in os.environ:
     # torch starts one thread per core in every process: share the cores between the ranks instead
     # (torchrun sets OMP_NUM_THREADS=1 itself; set it to choose the thread count yourself)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, cores // world_size))
 if dtype == 'auto':
-    dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+    dtype = 'float32' if device_type != 'cuda' else 'bfloat16' if torch.cuda.is_bf16_supported() else \
+        'float16'
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
@@ -151,8 +140,11 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 torch.manual_seed(seed + rank)  # dropout differs between ranks; DDP broadcasts rank 0's initial weights
 if master_process:
     threads = f", {torch.get_num_threads()} threads" if device_type == 'cpu' else ''
-    print(f"device: {device}{threads}, {dtype}, {world_size} process(es); tokens per iteration: {tokens_per_iter:,} "
-          f"({gas * world_size} x {batch_size} x {block_size})")
+    print(f"device: {device}{threads}, {dtype}, {world_size} process(es); tokens per iteration: "
+          f"{tokens_per_iter:,} ({micro_steps * world_size} x {batch_size} x {block_size})")
+    if micro_steps * world_size != gradient_accumulation_steps:
+        print(f"gradient_accumulation_steps={gradient_accumulation_steps} rounded up to "
+              f"{micro_steps * world_size}: {micro_steps} per process on {world_size} processes")
     for change in resume_changes:
         print(f"resume: {change}")
 
@@ -164,32 +156,47 @@ if not os.path.exists(os.path.join(data_dir, 'meta.json')) and dataset in ('shak
     if ddp:
         die(f"{data_dir} not found: prepare it first with `python prepare.py {dataset}`")
     print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
-    import prepare  # uses ../shared/data/tinyshakespeare offline, else downloads; dies with the offline command
+    import prepare  # downloads tinyshakespeare once; offline, it dies naming the command to run instead
     prepare.prepare(dataset)
-meta, data = open_data(data_dir, block_size)  # checks files, token ids < vocab_size, and block_size vs. the splits
-if vocab_size == 0:
+meta = open_data(data_dir, block_size)  # checks files, token ids < vocab_size, and block_size vs. the splits
+meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what a checkpoint's tokens mean
+if ckpt is not None:
+    differ = [k for k in meta_id if k in (ckpt.get('meta') or {}) and ckpt['meta'][k] != meta_id[k]]
+    if differ or vocab_size < meta['vocab_size']:
+        die(f"{data_dir}/meta.json disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: the "
+            f"checkpoint was trained on other tokens); resume with its dataset {ckpt.get('dataset')!r}")
+if 'vocab_size' not in explicit:
     vocab_size = meta['vocab_size']
 elif vocab_size < meta['vocab_size']:
     die(f"vocab_size={vocab_size} is smaller than {data_dir}/meta.json's {meta['vocab_size']}")
+token_dtype = np.dtype(meta['dtype'])
+
+def get_batch(split, generator):
+    """(X, Y) of shape (B, T): random windows of the split and the same windows shifted by one token.
+    Offsets come from `generator`, a torch.Generator private to this data stream, so the data order is
+    independent of everything else that draws random numbers and its state can go into the checkpoint."""
+    # a fresh memmap per batch, as nanoGPT does: a long-lived one keeps growing the process's memory
+    data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=token_dtype, mode='r')
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator).tolist()
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    if device_type == 'cuda':
+        # pinned memory lets the copy to the GPU run asynchronously (non_blocking)
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
 if init_from == 'scratch' and os.path.exists(ckpt_path) and not eval_only:
     # a forgotten --init_from=resume would overwrite a run at its first checkpoint: refuse instead
-    die(f"{ckpt_path} already exists: continue it with --init_from=resume, or start over with another --out_dir "
-        f"(or delete {out_dir})")
-meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what a checkpoint's tokens mean
-if ckpt is not None:
-    saved = ckpt.get('meta') or {}
-    differ = [k for k in meta_id if k in saved and saved[k] != meta_id[k]]
-    if differ or ckpt['model_args'].get('vocab_size') != vocab_size:
-        die(f"{data_dir}/meta.json disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: the checkpoint "
-            f"was trained on other tokens); resume with the checkpoint's dataset {ckpt.get('dataset')!r}")
+    die(f"{ckpt_path} already exists: continue it with --init_from=resume, or start over with another "
+        f"--out_dir (or delete {out_dir})")
 
 # -----------------------------------------------------------------------------
 # model, optimizer, and the state a resumed run continues from
 
-model_args = dict(asdict(gptconf), vocab_size=vocab_size)
-model = GPT(model_config(model_args))
+model_args = {k: globals()[k] for k in configurator.model_keys()}
+model = GPT(GPTConfig(**model_args))
 if ckpt is not None:
-    load_state(model, ckpt['model'], ckpt_path)  # prefixes of compiled / DDP-wrapped models are stripped
+    checkpoint.load_weights(model, ckpt['model'], ckpt_path)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 iter_num, best_val_loss, bad_total = 0, float('inf'), 0
@@ -210,12 +217,12 @@ if ckpt is not None:
     # every rank continues its own random streams (dropout, data order) exactly where the checkpoint left them
     rngs, data_rngs = ckpt.get('rng'), ckpt.get('data_rng')
     if ckpt.get('world_size') == world_size and isinstance(rngs, list) and isinstance(data_rngs, list):
-        set_rng_state(rngs[rank])
+        checkpoint.set_rng_state(rngs[rank])
         train_gen.set_state(data_rngs[rank])
     elif master_process:
         why = (f"was written by {ckpt.get('world_size')} process(es), this run has {world_size}"
                if ckpt.get('world_size') != world_size else "holds no random-stream states")
-        print(f"resume: the checkpoint {why}: random streams are reseeded (the run continues, not bit for bit)")
+        print(f"resume: the checkpoint {why}: random streams are reseeded (not bit for bit from here)")
     if master_process:
         print(f"resuming from {ckpt_path} at iter {iter_num}")
     del ckpt  # free the memory
@@ -246,21 +253,19 @@ def estimate_loss():
     raw_model.eval()
     for i, split in enumerate(('train', 'val')):
         gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1) + 1 + i)
-        ce = torch.zeros(raw_model.config.n_loop, device=device)
-        norms = torch.zeros(raw_model.config.n_loop, device=device)
+        stats = torch.zeros(2, n_loop, device=device)  # CE per exit, ||h_k|| per loop
         for _ in range(eval_iters):
-            X, Y = data[split].get_batch(batch_size, block_size, gen, device)
+            X, Y = get_batch(split, gen)
             with ctx:
-                c, n = raw_model.exit_losses(X, Y)
-            ce += c.float()
-            norms += n.float()
-        stats = torch.cat([ce, norms]) / eval_iters
+                ce, norms = raw_model.exit_losses(X, Y)
+            stats += torch.stack([ce.float(), norms.float()])
+        stats /= eval_iters
         if ddp:
             dist.all_reduce(stats)  # every rank's batches count, not only rank 0's
             stats /= world_size
-        out[split + '_ce'], out[split + '_norm'] = stats.chunk(2)
+        out[split + '_ce'], out[split + '_norm'] = stats.tolist()
     raw_model.train()
-    return {k: v.tolist() for k, v in out.items()}
+    return out
 
 def get_lr(it):
     # 1) linear warmup for warmup_iters steps (paper 1: none)
@@ -275,29 +280,54 @@ def get_lr(it):
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # coeff ranges 0..1
     return min_lr + coeff * (learning_rate - min_lr)
 
-def print_eval(it, losses, lr):
-    R = len(losses['val_ce'])
+def log_eval(it, losses, lr):
+    """The eval block on stdout, one row of metrics.jsonl, and wandb if on (rank 0 only)."""
     row = lambda name, vals, fmt: f"  {name:<10}" + ''.join(format(v, fmt).rjust(11) for v in vals)
     print(f"step {it}: train loss {losses['train_ce'][-1]:.4f}, val loss {losses['val_ce'][-1]:.4f} "
           f"(final exit), lr {lr:.2e}")
-    print(row('exit k', range(1, R + 1), 'd'))
+    print(row('exit k', range(1, n_loop + 1), 'd'))
     print(row('train CE', losses['train_ce'], '.4f'))
     print(row('val CE', losses['val_ce'], '.4f'))
     print(row('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
+    metrics = {'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
+               'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
+               'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
+               'tokens': it * tokens_per_iter, 'bad_steps': bad_total,
+               'time': round(time.time() - t_start, 3)}
+    if not eval_only:
+        with open(metrics_path, 'a', encoding='utf-8') as f:
+            f.write(json.dumps(metrics) + '\n')
+    if wandb_log:
+        wandb.log({'iter': it, 'lr': lr, 'train/loss': metrics['train_loss'], 'val/loss': metrics['val_loss'],
+                   **{f'val/ce_exit{k}': v for k, v in enumerate(losses['val_ce'], 1)},
+                   **{f'norm/h{k}': v for k, v in enumerate(losses['val_norm'], 1)}})
 
 def save_checkpoint():
     # every rank's random streams go into the checkpoint, so each rank resumes exactly where it was
-    rngs, data_rngs = gather(rng_state()), gather(train_gen.get_state())
+    rngs, data_rngs = gather(checkpoint.rng_state()), gather(train_gen.get_state())
     if not master_process:
         return
-    checkpoint = {
+    print(f"saving checkpoint to {ckpt_path}")
+    checkpoint.save({
         'model': raw_model.state_dict(), 'model_args': asdict(raw_model.config),
         'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
         'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'dataset': dataset,
         'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'world_size': world_size, 'bad_steps': bad_total,
-    }
-    print(f"saving checkpoint to {ckpt_path}")
-    atomic_save(checkpoint, ckpt_path)
+    }, ckpt_path)
+
+@torch.no_grad()
+def nonfinite_report(X, Y):
+    """Which exit's CE or which loop's state went non-finite on batch (X, Y), as one short phrase.
+    exit_losses runs the same loop as the loss, so a NaN that starts at loop k shows up from exit k on."""
+    with ctx:
+        ce, norms = raw_model.exit_losses(X, Y)
+    bad = lambda vals: ', '.join(str(k) for k, v in enumerate(vals.tolist(), start=1) if not math.isfinite(v))
+    parts = [f"CE at exit {bad(ce)}"] * bool(bad(ce)) + [f"||h_k|| at loop {bad(norms)}"] * bool(bad(norms))
+    if parts:
+        return "non-finite " + " and ".join(parts)
+    if norm_penalty > 0:  # every exit is finite but lambda * mean(h^2) can still overflow
+        return "every exit CE and loop norm is finite: the norm penalty term or the backward pass overflowed"
+    return "every exit CE and loop norm is finite on this batch: the backward pass (or another rank) broke"
 
 # metrics.jsonl: one JSON object per eval. A resumed run drops rows past the checkpoint's iteration (they
 # came from work the checkpoint does not hold, and will be redone); a new run starts a new file.
@@ -341,23 +371,12 @@ while True:
     # evaluate, log and checkpoint (all ranks take part: the eval is averaged over them)
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != skip_eval_at:
         if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
-            # the guard below keeps non-finite updates out; if the weights broke anyway, keep the last checkpoint
-            die(f"non-finite weights at iter {iter_num}: not saving; {ckpt_path} (last good checkpoint) is untouched")
+            # the guard below keeps non-finite updates out; if the weights broke anyway, keep the last one
+            die(f"non-finite weights at iter {iter_num}: not saving; {ckpt_path} (last good checkpoint) is "
+                f"untouched")
         losses = estimate_loss()
         if master_process:
-            print_eval(iter_num, losses, lr)
-            metrics = {'iter': iter_num, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
-                       'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
-                       'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
-                       'tokens': iter_num * tokens_per_iter, 'bad_steps': bad_total,
-                       'time': round(time.time() - t_start, 3)}
-            if not eval_only:
-                with open(metrics_path, 'a', encoding='utf-8') as f:
-                    f.write(json.dumps(metrics) + '\n')
-            if wandb_log:
-                wandb.log({'iter': iter_num, 'lr': lr, 'train/loss': metrics['train_loss'], 'val/loss': metrics['val_loss'],
-                           **{f'val/ce_exit{k}': v for k, v in enumerate(losses['val_ce'], 1)},
-                           **{f'norm/h{k}': v for k, v in enumerate(losses['val_norm'], 1)}})
+            log_eval(iter_num, losses, lr)
         val_loss = losses['val_ce'][-1]
         if iter_num > start_iter and not eval_only and (val_loss < best_val_loss or always_save_checkpoint):
             best_val_loss = min(best_val_loss, val_loss)
@@ -365,20 +384,20 @@ while True:
     if iter_num >= max_iters or eval_only:
         break
 
-    # forward and backward over gas micro-batches; the loss is divided by gas so the gradients add up to
-    # the mean over micro-batches, and DDP averages over ranks: together the mean over the global batch
+    # forward and backward over the micro-batches; the loss is divided by their number so the gradients add
+    # up to the mean over micro-batches, and DDP averages over ranks: together the mean over the global batch
     loss_sum = torch.zeros((), device=device)
-    for micro_step in range(gas):
-        X, Y = data['train'].get_batch(batch_size, block_size, train_gen, device)
+    for micro_step in range(micro_steps):
+        X, Y = get_batch('train', train_gen)
         # under DDP, all-reduce the gradients only on the last micro-step (the others just accumulate)
-        with model.no_sync() if ddp and micro_step < gas - 1 else nullcontext():
+        with model.no_sync() if ddp and micro_step < micro_steps - 1 else nullcontext():
             with ctx:
                 _, loss = model(X, Y)
-                loss = loss / gas
+                loss = loss / micro_steps
             scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
     scaler.unscale_(optimizer)  # no-op unless fp16: gradients back to their true scale before clipping
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
 
     # the non-finite guard: one small all-reduce (and one sync) per step. The summed loss turns NaN if any
     # rank's loss did, so every rank takes the same decision. Under fp16 an inf gradient with a finite loss
@@ -398,24 +417,23 @@ while True:
         # skip the update, say where the non-finite value came from, stop if it keeps happening
         bad_in_a_row += 1
         bad_total += 1
-        with ctx:
-            reports = gather(nonfinite_report(raw_model, X, Y, norm_penalty))
+        reports = gather(nonfinite_report(X, Y))
         if master_process:
             where = '; '.join(f"rank {r}: {s}" for r, s in enumerate(reports)) if ddp else reports[0]
-            print(f"iter {iter_num}: non-finite loss ({lossf:.4g}) or grad norm ({grad_norm.item():.4g}), update "
-                  f"skipped ({bad_in_a_row} in a row, {bad_total} total); {where}")
+            print(f"iter {iter_num}: non-finite loss ({lossf:.4g}) or grad norm ({grad_norm.item():.4g}), "
+                  f"update skipped ({bad_in_a_row} in a row, {bad_total} total); {where}")
         if bad_in_a_row >= max_bad_steps:
-            die(f"stopping at iter {iter_num}: {bad_in_a_row} consecutive steps with a non-finite loss or gradient "
-                f"(max_bad_steps={max_bad_steps}); {ckpt_path} holds the last good state: lower learning_rate or "
-                f"check the data, then resume")
+            die(f"stopping at iter {iter_num}: {bad_in_a_row} consecutive steps with a non-finite loss or "
+                f"gradient (max_bad_steps={max_bad_steps}); {ckpt_path} holds the last good state: lower "
+                f"learning_rate or check the data, then resume")
 
     # timing and logging
     t1 = time.time()
     dt, t0 = t1 - t0, t1
     if iter_num % log_interval == 0 and master_process:
-        mfu = raw_model.estimate_mfu(gas * batch_size, dt) if device_type == 'cuda' else None
+        mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
         print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
-              f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else ''))
+              f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else ''))
     iter_num += 1
 
 if master_process and not eval_only:

@@ -1,0 +1,118 @@
+"""
+Checkpoints and random-number state: what a run needs to stop and continue bit for bit.
+
+    save(obj, path)          atomic: path always holds the previous or the new complete checkpoint
+    load(path)               the checkpoint dict, or a one-line error for a missing, torn or foreign file
+    build_model(ckpt)        the GPT it describes, with its weights
+    load_weights(model, sd)  weights into a model, whether saved from a compiled, DDP or plain model
+    rng_state() / set_rng_state(s)   python, numpy, torch and CUDA generators as plain data
+"""
+import os
+import random
+
+import numpy as np
+import torch
+
+from configurator import gpt_config
+from errors import die, first_line
+from model import GPT
+
+
+def save(obj, path):
+    """torch.save that never leaves a half-written file under `path`.
+
+    A kill -9 or a full disk halfway through torch.save would truncate the checkpoint in place and lose the
+    run. So we write a temporary file in the same folder (same filesystem, so the rename is atomic), flush
+    and fsync it to disk, and only then os.replace it over the old one: at every instant `path` holds either
+    the previous complete checkpoint or the new complete one.
+    """
+    tmp = path + '.tmp'
+    with open(tmp, 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename itself durable (POSIX; not possible on every platform)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def load(path, device='cpu'):
+    """A checkpoint dict written by train.py, or a clean die() if the file is missing, truncated or foreign.
+
+    weights_only=True: a checkpoint is data (tensors, numbers, strings), so a pickle that tries to run code
+    or build arbitrary objects is refused rather than executed.
+    """
+    if not os.path.isfile(path):
+        die(f"checkpoint {path} not found (train one first, or point --out_dir at the folder holding ckpt.pt)")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, a pickle of something else: all one line
+        die(f"{path} is not a readable checkpoint (truncated or not written by train.py): {first_line(e)}")
+    if not isinstance(ckpt, dict) or not {'model', 'model_args'} <= ckpt.keys() \
+            or not isinstance(ckpt['model'], dict) or not isinstance(ckpt['model_args'], dict):
+        die(f"{path} is not a nanoloop checkpoint (expected a dict with 'model' and 'model_args')")
+    ckpt['model_args'] = model_args(ckpt['model_args'], path)
+    return ckpt
+
+
+# keys that earlier versions of model.py had, with the only value this version implements
+RETIRED_KEYS = {'bias': False, 'tie_weights': True, 'exit_weights': ()}
+
+
+def model_args(args, path):
+    """A checkpoint's model arguments without retired keys; dies if one held a value no longer built."""
+    args = dict(args)
+    for key, only in RETIRED_KEYS.items():
+        value = args.pop(key, only)
+        if (tuple(value) if key == 'exit_weights' else value) != only:
+            die(f"{path} was trained with {key}={value!r}, which this model.py no longer implements")
+    return args
+
+
+def strip_prefixes(state_dict):
+    """State dict keys without the wrappers' prefixes: torch.compile adds '_orig_mod.', DDP adds 'module.'."""
+    out = {}
+    for k, v in state_dict.items():
+        while k.startswith(('_orig_mod.', 'module.')):
+            k = k.split('.', 1)[1]
+        out[k] = v
+    return out
+
+
+def load_weights(model, state_dict, where):
+    """Load weights into model (prefixes stripped), or die naming what does not fit."""
+    try:
+        model.load_state_dict(strip_prefixes(state_dict))
+    except (RuntimeError, KeyError, TypeError) as e:
+        die(f"{where}: weights do not fit the model ({first_line(e)})")
+
+
+def build_model(ckpt):
+    """GPT(GPTConfig(**ckpt['model_args'])) with the checkpoint's weights, on the CPU."""
+    model = GPT(gpt_config(ckpt['model_args']))
+    load_weights(model, ckpt['model'], 'checkpoint')
+    return model
+
+
+def rng_state():
+    """Everything random the next step depends on, as plain data (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    return {'python': random.getstate(),
+            'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
+            'torch': torch.get_rng_state(),
+            'cuda': torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    random.setstate(state['python'])
+    name, keys, *rest = state['numpy']
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state['torch'].cpu())
+    if state['cuda'] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state['cuda'].cpu())
