@@ -49,7 +49,7 @@ def load(path, device='cpu'):
     or build arbitrary objects is refused rather than executed.
     """
     if not os.path.isfile(path):
-        die(f"checkpoint {path} not found (train one first, or point --out_dir at the folder holding ckpt.pt)")
+        die(f"checkpoint {path} not found (train one first, or point --out_dir at the folder with ckpt.pt)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated zip, random bytes, a pickle of something else: all one line

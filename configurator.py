@@ -70,7 +70,7 @@ def coerce(key, value, default, where):
 
 def unknown_key(key, known, where):
     near = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {near[0]}?" if near else "; see the globals of train.py and the fields of GPTConfig"
+    hint = f"; did you mean {near[0]}?" if near else "; see train.py's globals and GPTConfig's fields"
     die(f"{where}unknown config key {key!r}{hint}")
 
 

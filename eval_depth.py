@@ -1,8 +1,8 @@
 """
 Variable-depth diagnostics of a trained looped GPT: what does each loop buy, and does the loss see ||h||?
-(papers.md §1: the readout blind spot, its variable-depth benchmark, calibrated halting and radial clamp.)
+(docs/papers.md §1: the readout blind spot, its variable-depth benchmark, calibrated halting, radial clamp.)
 
-    python eval_depth.py out-loop-rmsnorm                  # a folder holding ckpt.pt (or the ckpt file itself)
+    python eval_depth.py out-loop-rmsnorm                  # a folder holding ckpt.pt (or the file itself)
     python eval_depth.py out-loop-raw --n_seqs=1024 --json=raw_depth.json
 
 On n_seqs validation windows of the training context length it reports, on stdout and in a JSON file
@@ -10,7 +10,8 @@ On n_seqs validation windows of the training context length it reports, on stdou
   fixed depth      val CE / PPL and ||h_k|| at every exit k = 1..R, and R+1..2R (extrapolation: more loops
                    than trained)
   adaptive exit    sequence granularity: a sequence stops at the first exit k < R whose confidence (its
-                   tokens' mean max-prob, top1-top2 logit margin, or 1 - H/log V) reaches a threshold, else at R;
+                   tokens' mean max-prob, top1-top2 logit margin, or 1 - H/log V) reaches a threshold,
+                   else at R;
                    thresholds at quantiles of the scores; the curve average loops vs PPL
   calibrated       the threshold with the fewest average loops whose PPL <= 1.01 x the fixed-R PPL on a
   halting          calibration half (even-numbered windows), then tested on the other half, with real
@@ -81,7 +82,8 @@ def clamped_states(model, idx, n_loop=None, clamp='none'):
 def seq_ce(logits, targets):
     """Mean CE per sequence (B,) of logits (B, T, V)."""
     B, T, V = logits.shape
-    return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), reduction='none').view(B, T).mean(1)
+    ce = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), reduction='none')
+    return ce.view(B, T).mean(1)
 
 
 @torch.no_grad()
@@ -206,9 +208,9 @@ def radial_fraction(g, h):
 
 def radial_gradient(model, X, Y, batch_size):
     """Radial gradient fraction at every loop state h_k, averaged over batches:
-    'readout': of exit k's CE through its own readout only (papers.md §1 Lemma 1: 0 for a scale-invariant
-    readout); 'total': of the whole training loss (weighted exit CEs + norm penalty), through the readout,
-    all later loops and the penalty."""
+    'readout': of exit k's CE through its own readout only (docs/papers.md §1 Lemma 1: 0 for a
+    scale-invariant readout); 'total': of the whole training loss (model.loss: weighted exit CEs + norm
+    penalty), through the readout, all later loops and the penalty."""
     R = model.config.n_loop
     readout_frac, total_frac, n = np.zeros(R), np.zeros(R), 0
     for i in range(0, X.size(0), batch_size):
@@ -243,6 +245,39 @@ def val_windows(data_dir, meta, T, n_seqs):
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
+def adaptive_curves(ce, scores, quantiles):
+    """Average loops vs PPL of every policy, thresholds at score quantiles (ce, scores (N, R))."""
+    out = {}
+    for p in POLICIES:
+        thr = quantile_thresholds(scores[p], quantiles)
+        pts = [adaptive(ce, scores[p], t) for t in thr]
+        out[p] = dict(quantile=list(quantiles), threshold=thr, avg_loops=[loops for loops, _ in pts],
+                      ppl=[perplexity for _, perplexity in pts])
+    return out
+
+
+def calibrated_halting(ce, scores, tol, policy):
+    """Every policy's threshold calibrated on the even windows, tested on the odd ones."""
+    cal, held = torch.arange(0, ce.size(0), 2), torch.arange(1, ce.size(0), 2)
+    out = dict(tol=tol, policy=policy, fixed_ppl_cal=ppl(ce[cal, -1]), fixed_ppl_held=ppl(ce[held, -1]))
+    for p in POLICIES:
+        t, loops, pc = calibrate(ce[cal], scores[p][cal], tol)
+        lh, ph = adaptive(ce[held], scores[p][held], t)
+        out[p] = dict(threshold=t, cal_avg_loops=loops, cal_ppl=pc, held_avg_loops=lh, held_ppl=ph,
+                      held_ppl_ratio=ph / out['fixed_ppl_held'])
+    return out
+
+
+def throughput(model, X, Y, batch_size, threshold, policy, repeats):
+    """Real dynamic-depth batching at the calibrated threshold against fixed depth, timed on (X, Y).
+    A threshold of inf lets nobody exit early: its readouts still cost."""
+    fixed = timed_pass(model, X, Y, batch_size, None, policy, repeats)
+    dyn = timed_pass(model, X, Y, batch_size, threshold, policy, repeats)
+    return dict(policy=policy, threshold=threshold, batch_size=batch_size, fixed=fixed, dynamic=dyn,
+                speedup=dyn['tok_per_s'] / fixed['tok_per_s'], device=str(X.device),
+                threads=torch.get_num_threads() if X.device.type == 'cpu' else None)
+
+
 @torch.no_grad()
 def evaluate(model, X, Y, batch_size=16, tol=1.01, policy='margin', n_grad_seqs=64, timing_repeats=3,
              quantiles=tuple(i / 20 for i in range(21))):
@@ -253,40 +288,20 @@ def evaluate(model, X, Y, batch_size=16, tol=1.01, policy='margin', n_grad_seqs=
     res = dict(n_loop=R, n_seqs=X.size(0), seq_len=X.size(1))
     res['fixed'] = dict(exit=list(range(1, 2 * R + 1)), ce=ce.mean(0).tolist(), ppl=[ppl(c) for c in ce.T],
                         norm=norms.tolist())
-    res['dppl_1_to_R'] = res['fixed']['ppl'][R - 1] - res['fixed']['ppl'][0]  # papers.md §1: < 0 = depth helps
-    ce, scores = ce[:, :R], {p: s[:, :R] for p, s in scores.items()}       # adaptive exit works within 1..R
-
-    # adaptive exit on all windows, thresholds at score quantiles
-    res['adaptive'] = {}
-    if R > 1:
-        for p in POLICIES:
-            thr = quantile_thresholds(scores[p], quantiles)
-            pts = [adaptive(ce, scores[p], t) for t in thr]
-            res['adaptive'][p] = dict(quantile=list(quantiles), threshold=thr,
-                                      avg_loops=[a for a, _ in pts], ppl=[b for _, b in pts])
-
-    # calibrated halting: calibrate on even windows, test on odd ones
-    cal, held = torch.arange(0, X.size(0), 2), torch.arange(1, X.size(0), 2)
-    res['calibrated'] = dict(tol=tol, policy=policy, fixed_ppl_cal=ppl(ce[cal, -1]), fixed_ppl_held=ppl(ce[held, -1]))
-    for p in POLICIES:
-        t, loops, pc = calibrate(ce[cal], scores[p][cal], tol)
-        lh, ph = adaptive(ce[held], scores[p][held], t)
-        res['calibrated'][p] = dict(threshold=t, cal_avg_loops=loops, cal_ppl=pc, held_avg_loops=lh, held_ppl=ph,
-                                    held_ppl_ratio=ph / res['calibrated']['fixed_ppl_held'])
-    t = res['calibrated'][policy]['threshold']
-    Xh, Yh = X[held], Y[held]
-    fixed = timed_pass(model, Xh, Yh, batch_size, None, policy, timing_repeats)
-    dyn = timed_pass(model, Xh, Yh, batch_size, t, policy, timing_repeats)  # t = inf: nobody exits, readouts still cost
-    res['throughput'] = dict(policy=policy, threshold=t, batch_size=batch_size, fixed=fixed, dynamic=dyn,
-                             speedup=dyn['tok_per_s'] / fixed['tok_per_s'], device=str(X.device),
-                             threads=torch.get_num_threads() if X.device.type == 'cpu' else None)
-
+    # docs/papers.md §1: the PPL change from exit 1 to exit R; negative means the extra loops help
+    res['dppl_1_to_R'] = res['fixed']['ppl'][R - 1] - res['fixed']['ppl'][0]
+    ce, scores = ce[:, :R], {p: s[:, :R] for p, s in scores.items()}  # adaptive exit works within 1..R
+    res['adaptive'] = adaptive_curves(ce, scores, quantiles) if R > 1 else {}
+    res['calibrated'] = calibrated_halting(ce, scores, tol, policy)
+    held = torch.arange(1, X.size(0), 2)
+    threshold = res['calibrated'][policy]['threshold']
+    res['throughput'] = throughput(model, X[held], Y[held], batch_size, threshold, policy, timing_repeats)
     # radial clamp at inference: CE at every exit 1..R with each clamp, and the change against none
     res['clamp'] = {}
     for c in ('radial', 'freeze'):
-        cc, _, nn_ = exit_stats(model, X, Y, R, batch_size, clamp=c)
-        res['clamp'][c] = dict(ce=cc.mean(0).tolist(), dce=(cc.mean(0) - ce.mean(0)).tolist(), norm=nn_.tolist())
-
+        cc, _, cnorms = exit_stats(model, X, Y, R, batch_size, clamp=c)
+        res['clamp'][c] = dict(ce=cc.mean(0).tolist(), dce=(cc.mean(0) - ce.mean(0)).tolist(),
+                               norm=cnorms.tolist())
     # radial gradient fraction on the first n_grad_seqs windows
     rf, tf = radial_gradient(model, X[:n_grad_seqs], Y[:n_grad_seqs], batch_size)
     res['radial_frac'] = dict(readout=rf, total=tf)
@@ -319,9 +334,11 @@ def print_report(res, title):
         print(row('quantile', a['quantile'][::4], '.2f'))
         print(row('avg loops', a['avg_loops'][::4], '.2f'))
         print(row('PPL', a['ppl'][::4], '.3f'))
-    print(f"calibrated halting: fewest avg loops with PPL <= {cal['tol']} x fixed-{R} on the even windows, tested on "
+    print(f"calibrated halting: fewest avg loops with PPL <= {cal['tol']} x fixed-{R} on the even windows, "
+          f"tested on "
           f"the odd ones (fixed-{R} PPL {cal['fixed_ppl_cal']:.3f} / {cal['fixed_ppl_held']:.3f})")
-    print(f"  {'policy':<10}{'threshold':>12}{'cal loops':>11}{'cal PPL':>10}{'held loops':>12}{'held PPL':>10}"
+    print(f"  {'policy':<10}{'threshold':>12}{'cal loops':>11}{'cal PPL':>10}{'held loops':>12}"
+          f"{'held PPL':>10}"
           f"{'x fixed':>9}")
     for p in POLICIES:
         c = cal[p]
@@ -353,7 +370,7 @@ def main(argv=None):
     ap.add_argument('--seq_len', type=int, default=0, help='tokens per window; 0 = the model block_size')
     ap.add_argument('--batch_size', type=int, default=16)
     ap.add_argument('--tol', type=float, default=1.01, help='calibrated halting: PPL <= tol x fixed-R PPL')
-    ap.add_argument('--policy', default='margin', choices=POLICIES, help='policy of the timed dynamic batching')
+    ap.add_argument('--policy', default='margin', choices=POLICIES, help='policy of the timed batching')
     ap.add_argument('--n_grad_seqs', type=int, default=64, help='windows for the radial gradient fraction')
     ap.add_argument('--timing_repeats', type=int, default=3)
     ap.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N')
@@ -378,8 +395,8 @@ def main(argv=None):
         die(f"--seq_len={T} is longer than the model's block_size {cfg.block_size}")
     X, Y = val_windows(data_dir, meta, T, args.n_seqs)
     t0 = time.time()
-    res = evaluate(model, X.to(device), Y.to(device), args.batch_size, args.tol, args.policy, args.n_grad_seqs,
-                   args.timing_repeats)
+    res = evaluate(model, X.to(device), Y.to(device), args.batch_size, args.tol, args.policy,
+                   args.n_grad_seqs, args.timing_repeats)
     res.update(checkpoint=ckpt_path, iter_num=ckpt.get('iter_num'), dataset=ckpt.get('dataset'),
                model_args=ckpt['model_args'], seconds=round(time.time() - t0, 2))
     print_report(res, f"eval_depth: {ckpt_path} (iter {ckpt.get('iter_num')}; {cfg.supervision} supervision, "

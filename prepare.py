@@ -1,10 +1,11 @@
 """
 Prepare a dataset: read text, tokenize it, write flat token files, as in nanoGPT's data/*/prepare.py.
 
-    python prepare.py shakespeare_char                         # characters (65 symbols), nanoGPT's 90/10 split
+    python prepare.py shakespeare_char                         # characters (65 symbols), nanoGPT's split
     python prepare.py shakespeare                              # GPT-2 BPE via tiktoken
-    python prepare.py wikitext103                              # Hugging Face `datasets` (pip install datasets)
+    python prepare.py wikitext103                              # via Hugging Face `datasets` (pip install)
     python prepare.py fineweb_edu --num_docs 100000            # streams FineWeb-Edu sample-10BT
+    python prepare.py openwebtext --val_fraction 0.0005        # streams OpenWebText (nanoGPT's GPT-2 data)
     python prepare.py gutenberg --input path/to/books --tokenizer gpt2           # any .txt file or folder
 
 Writes data/<dataset>/train.bin and val.bin (flat token ids: uint16, or uint32 when the vocabulary has
@@ -21,12 +22,9 @@ import numpy as np
 
 from errors import Parser, die, first_line
 
-# tinyshakespeare, downloaded once as nanoGPT does; set TINYSHAKESPEARE_URL to use another copy, e.g. a local
-# file as file:///path/to/input.txt (urllib reads both)
-SHAKESPEARE_URL = os.environ.get(
-    'TINYSHAKESPEARE_URL', 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt')
+SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 TEXT_DATASETS = {'shakespeare_char': 'char', 'shakespeare': 'gpt2'}  # tinyshakespeare, two tokenizers
-HF_DATASETS = ('wikitext103', 'fineweb_edu')                         # GPT-2 BPE, via Hugging Face `datasets`
+HF_DATASETS = ('wikitext103', 'fineweb_edu', 'openwebtext')          # GPT-2 BPE, via Hugging Face `datasets`
 TOKENIZERS = ('char', 'gpt2')
 
 # -----------------------------------------------------------------------------
@@ -112,7 +110,7 @@ class TokenWriter:
 
     def write(self, ids):
         arr = np.asarray(ids, dtype=np.int64)
-        assert arr.size == 0 or (arr.min() >= 0 and arr.max() <= np.iinfo(self.dtype).max), 'id out of dtype range'
+        assert arr.size == 0 or 0 <= arr.min() <= arr.max() <= np.iinfo(self.dtype).max, 'id out of range'
         self.f.write(arr.astype(self.dtype).tobytes())
         self.count += arr.size
 
@@ -128,7 +126,8 @@ def write_meta(dataset, out_dir, meta):
         n = meta[f'{split}_tokens']
         if n == 0:
             die(f"{dataset}: the {split} split is empty; give more text or change --val_fraction")
-        print(f"{split}.bin: {n:,} tokens ({meta['dtype']}, {n * np.dtype(meta['dtype']).itemsize / 2**20:.1f} MiB)")
+        mib = n * np.dtype(meta['dtype']).itemsize / 2**20
+        print(f"{split}.bin: {n:,} tokens ({meta['dtype']}, {mib:.1f} MiB)")
     with open(os.path.join(folder, 'meta.json.tmp'), 'w', encoding='utf-8') as f:
         json.dump(meta, f, ensure_ascii=False)
     os.replace(os.path.join(folder, 'meta.json.tmp'), os.path.join(folder, 'meta.json'))
@@ -144,7 +143,7 @@ def start_folder(out_dir, dataset):
     return folder
 
 def write_dataset(dataset, out_dir, tokenizer, vocab_size, splits, itos=None):
-    """splits: {'train': iterable of id lists, 'val': ...} -> writes the .bin files and meta.json, returns meta"""
+    """splits: {'train': iterable of id lists, 'val': ...} -> the .bin files and meta.json; returns meta"""
     start_folder(out_dir, dataset)
     meta = dict(dataset=dataset, tokenizer=tokenizer, vocab_size=vocab_size, dtype=token_dtype(vocab_size))
     for split, chunks in splits.items():
@@ -157,7 +156,7 @@ def write_dataset(dataset, out_dir, tokenizer, vocab_size, splits, itos=None):
     return write_meta(dataset, out_dir, meta)
 
 def prepare_text(dataset, text, tokenizer, out_dir, val_fraction):
-    """One text, split by characters as nanoGPT does: the first (1 - val_fraction) trains, the rest validates."""
+    """One text, split by characters as nanoGPT does: the first 1 - val_fraction trains, the rest is val."""
     if not text:
         die(f"{dataset}: the input text is empty")
     n = len(text)
@@ -237,7 +236,7 @@ def load_hf():
     try:
         import datasets
     except ImportError:
-        die("wikitext103 and fineweb_edu need the Hugging Face datasets package: pip install datasets")
+        die(f"{', '.join(HF_DATASETS)} need the Hugging Face datasets package: pip install datasets")
     return datasets
 
 def hf_load(datasets, *args, **kwargs):
@@ -269,21 +268,27 @@ def prepare_wikitext103(out_dir):
     return write_dataset('wikitext103', out_dir, 'gpt2', enc.n_vocab,
                          {'train': chunks('train'), 'val': chunks('validation')})
 
-def prepare_fineweb_edu(out_dir, val_fraction, num_docs):
+# streamed corpora of documents: (Hugging Face path, config name); EOT ends each document
+STREAMED = {'fineweb_edu': ('HuggingFaceFW/fineweb-edu', 'sample-10BT'),   # paper 2's data
+            'openwebtext': ('Skylion007/openwebtext', None)}               # nanoGPT's GPT-2 reproduction data
+
+def prepare_streamed(dataset, out_dir, val_fraction, num_docs):
     from tqdm import tqdm
     datasets = load_hf()
     enc = gpt2_encoding()
-    ds = hf_load(datasets, 'HuggingFaceFW/fineweb-edu', name='sample-10BT', split='train', streaming=True)
+    path, name = STREAMED[dataset]
+    ds = hf_load(datasets, path, name=name, split='train', streaming=True)
     # one pass over the stream feeds both files: document i goes to val when floor((i+1)*f) > floor(i*f),
     # which sends exactly a fraction f of the documents to val, spread evenly, without knowing the total
-    folder = start_folder(out_dir, 'fineweb_edu')
-    writers = {s: TokenWriter(os.path.join(folder, f'{s}.bin'), token_dtype(enc.n_vocab)) for s in ('train', 'val')}
-    for i, doc in enumerate(tqdm(itertools.islice(ds, num_docs), total=num_docs, desc='fineweb_edu', unit='doc')):
+    folder = start_folder(out_dir, dataset)
+    dtype = token_dtype(enc.n_vocab)
+    writers = {s: TokenWriter(os.path.join(folder, f'{s}.bin'), dtype) for s in ('train', 'val')}
+    for i, doc in enumerate(tqdm(itertools.islice(ds, num_docs), total=num_docs, desc=dataset, unit='doc')):
         split = 'val' if int((i + 1) * val_fraction) > int(i * val_fraction) else 'train'
-        writers[split].write(enc.encode_ordinary(doc['text']) + [enc.eot_token])  # EOT ends each document
-    meta = dict(dataset='fineweb_edu', tokenizer='gpt2', vocab_size=enc.n_vocab, dtype=token_dtype(enc.n_vocab))
+        writers[split].write(enc.encode_ordinary(doc['text']) + [enc.eot_token])
+    meta = dict(dataset=dataset, tokenizer='gpt2', vocab_size=enc.n_vocab, dtype=dtype)
     meta.update({f'{s}_tokens': w.close() for s, w in writers.items()})
-    return write_meta('fineweb_edu', out_dir, meta)
+    return write_meta(dataset, out_dir, meta)
 
 # -----------------------------------------------------------------------------
 
@@ -301,14 +306,14 @@ def prepare(dataset, input_path=None, tokenizer=None, out_dir='data', val_fracti
         return prepare_text(dataset, read_text(input_path), tokenizer or TEXT_DATASETS.get(dataset, 'gpt2'),
                             out_dir, val_fraction)
     if dataset in TEXT_DATASETS:
-        return prepare_text(dataset, read_text(shakespeare_path(out_dir, dataset)), tokenizer or TEXT_DATASETS[dataset],
-                            out_dir, val_fraction)
+        text = read_text(shakespeare_path(out_dir, dataset))
+        return prepare_text(dataset, text, tokenizer or TEXT_DATASETS[dataset], out_dir, val_fraction)
     if dataset in HF_DATASETS:
         if tokenizer == 'char':
             die(f"--tokenizer=char: {dataset} is prepared with gpt2 only")
         if dataset == 'wikitext103':
             return prepare_wikitext103(out_dir)  # it has its own validation split
-        return prepare_fineweb_edu(out_dir, val_fraction, num_docs)
+        return prepare_streamed(dataset, out_dir, val_fraction, num_docs)
     die(f"unknown dataset {dataset!r}: choose one of {', '.join([*TEXT_DATASETS, *HF_DATASETS])}, "
         f"or give --input PATH (a .txt file or folder) for your own text")
 
@@ -316,10 +321,10 @@ def main(argv=None):
     p = Parser('prepare.py', __doc__)
     p.add_argument('dataset', help=f"{', '.join([*TEXT_DATASETS, *HF_DATASETS])}, or a name for --input text")
     p.add_argument('--input', default=None, help='a UTF-8 .txt file, or a folder of them')
-    p.add_argument('--tokenizer', default=None, help='char or gpt2 (default: the dataset\'s own; gpt2 for --input)')
+    p.add_argument('--tokenizer', default=None, help="char or gpt2 (default: the dataset's; else gpt2)")
     p.add_argument('--out_dir', default='data', help='writes OUT_DIR/DATASET/{train,val}.bin and meta.json')
-    p.add_argument('--val_fraction', type=float, default=0.1, help='share of the text (or documents) held out')
-    p.add_argument('--num_docs', type=int, default=None, help='fineweb_edu: stop after this many documents')
+    p.add_argument('--val_fraction', type=float, default=0.1, help='share of the text (or documents) for val')
+    p.add_argument('--num_docs', type=int, default=None, help='streamed corpora: stop after this many docs')
     args = p.parse_args(argv)
     prepare(args.dataset, args.input, args.tokenizer, args.out_dir, args.val_fraction, args.num_docs)
 

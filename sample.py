@@ -2,8 +2,8 @@
 Sample from a trained looped GPT, as nanoGPT's sample.py does.
 
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3
-    python sample.py --out_dir=out-shakespeare-char --n_loop=2             # fixed exit: every token stops at loop 2
-    python sample.py --out_dir=out-shakespeare-char --exit_threshold=0.9   # adaptive exit: first confident loop
+    python sample.py --out_dir=out-shakespeare-char --n_loop=2             # fixed exit: stop at loop 2
+    python sample.py --out_dir=out-shakespeare-char --exit_threshold=0.9   # adaptive: first confident loop
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt
 
 The tokenizer comes from data/<dataset>/meta.json (the dataset is named in the checkpoint), or --meta PATH.
@@ -27,20 +27,20 @@ p.add_argument('--max_new_tokens', type=int, default=500, help='tokens generated
 p.add_argument('--temperature', type=float, default=0.8, help='1.0 = as trained, < 1 sharper, 0 = greedy')
 p.add_argument('--top_k', type=int, default=200, help='keep only the top_k most likely tokens (0 = all)')
 p.add_argument('--seed', type=int, default=1337)
-p.add_argument('--device', default='auto', help="'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'")
+p.add_argument('--device', default='auto', help='auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps')
 p.add_argument('--n_loop', type=int, default=None, help='loops per token (default: R from training); fewer = '
                'early exit, more = extrapolation; with --exit_threshold, the most loops a token may use')
 p.add_argument('--exit_threshold', type=float, default=None,
                help='adaptive exit: a token stops at the first loop whose confidence reaches this')
 p.add_argument('--exit_policy', default='maxprob', choices=EXIT_POLICIES,
-               help='confidence for adaptive exit: max softmax prob, top1 - top2 logit margin, or 1 - H/log V')
+               help='adaptive exit confidence: max softmax prob, top1 - top2 logit margin, or 1 - H/log V')
 p.add_argument('--meta', default=None, help='a meta.json (or its folder) to decode with; default: '
                'data/<dataset>/meta.json, else the copy in the checkpoint')
 
 
 def tokenizer_meta(args, ckpt, ckpt_path):
-    """The meta.json to decode with: --meta, else data/<dataset>/meta.json, else the copy train.py keeps in the
-    checkpoint. A meta.json must agree with the checkpoint: other tokens would decode to nonsense."""
+    """The meta.json to decode with: --meta, else data/<dataset>/meta.json, else the copy train.py keeps in
+    the checkpoint. A meta.json must agree with the checkpoint: other tokens would decode to nonsense."""
     dataset, saved = ckpt.get('dataset', '?'), ckpt.get('meta') or {}
     path = args.meta or os.path.join('data', dataset)
     if not args.meta and not os.path.isfile(os.path.join(path, 'meta.json')) and 'tokenizer' in saved:
@@ -51,9 +51,9 @@ def tokenizer_meta(args, ckpt, ckpt_path):
     differ = [k for k in ('tokenizer', 'vocab_size', 'itos') if k in saved and saved[k] != meta.get(k)]
     model_vocab = ckpt['model_args'].get('vocab_size')
     if differ or not isinstance(model_vocab, int) or meta['vocab_size'] > model_vocab:
-        die(f"{path} disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: meta.json has vocab_size "
-            f"{meta['vocab_size']}, the model {model_vocab}; it was trained on {dataset}); pass that dataset's "
-            f"meta.json with --meta")
+        die(f"{path} disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: meta.json has "
+            f"vocab_size {meta['vocab_size']}, the model {model_vocab}; it was trained on {dataset}); "
+            f"pass that dataset's meta.json with --meta")
     return meta
 
 
@@ -68,26 +68,33 @@ def read_start(start):
         die(f"--start FILE:{path}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
 
 
+def check_args(args):
+    at_least = dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=1, exit_threshold=0)
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            die(f"--{name}={value}: must be >= {low}")
+
+
+def pick_device(name):
+    """(device, device_type) for --device, or a one-line error if this machine does not have it."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    try:
+        device_type = torch.device(name).type
+    except RuntimeError:
+        die(f"--device={name}: not a torch device; use auto, cpu, cuda, cuda:N or mps")
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if not available.get(device_type, False):
+        die(f"--device={name}: not available on this machine; use --device=cpu or auto")
+    return name, device_type
+
+
 def main(argv=None):
     args = p.parse_args(argv)
-    for name, ok in [('num_samples', args.num_samples >= 1), ('max_new_tokens', args.max_new_tokens >= 0),
-                     ('temperature', args.temperature >= 0), ('top_k', args.top_k >= 0),
-                     ('n_loop', args.n_loop is None or args.n_loop >= 1),
-                     ('exit_threshold', args.exit_threshold is None or args.exit_threshold >= 0)]:
-        if not ok:
-            die(f"--{name}={getattr(args, name)}: must be {'>= 1' if name in ('num_samples', 'n_loop') else '>= 0'}")
+    check_args(args)
     start = read_start(args.start)  # before the (slow) checkpoint load: a typo in the path fails at once
-
-    device = args.device
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    try:
-        device_type = torch.device(device).type
-    except RuntimeError:
-        die(f"--device={device}: not a torch device; use auto, cpu, cuda, cuda:N or mps")
-    if device_type not in ('cpu', 'cuda', 'mps') or (device_type == 'cuda' and not torch.cuda.is_available()) \
-            or (device_type == 'mps' and not torch.backends.mps.is_available()):
-        die(f"--device={device}: not available on this machine; use --device=cpu or auto")
+    device, device_type = pick_device(args.device)
     torch.manual_seed(args.seed)
     if device_type == 'cuda':
         torch.cuda.manual_seed(args.seed)

@@ -1,7 +1,8 @@
 # Paper 2 (DeepLoop), "small" preset for GPUs: d 768, 12 heads, K = 12 layers looped R = 3 times, RoPE, tied
-# embeddings, GPT-2 BPE on FineWeb-Edu (python prepare.py fineweb_edu), context 1024, global batch 480 sequences,
-# 100K steps (papers.md §2). DeepLoop block: sandwich norms, alpha = (2N)^(1/2), beta = (8N)^(-1/2).
-# The paper does not state its optimizer or schedule: this uses nanoGPT's GPT-2 recipe (AdamW 6e-4, cosine, warmup).
+# embeddings, GPT-2 BPE on FineWeb-Edu (python prepare.py fineweb_edu), context 1024, global batch 480
+# sequences, 100K steps (docs/papers.md §2). DeepLoop block: sandwich norms, alpha = (2N)^(1/2),
+# beta = (8N)^(-1/2). The paper does not state its optimizer or schedule: this uses nanoGPT's GPT-2 recipe
+# (AdamW 6e-4, cosine, warmup).
 dataset = 'fineweb_edu'
 n_layer = 12
 n_loop = 3
@@ -18,7 +19,7 @@ supervision = 'terminal'            # a standard looped LM: loss at the last loo
 readout = 'rmsnorm'
 dropout = 0.0
 batch_size = 12
-gradient_accumulation_steps = 40    # 12 x 40 = 480 sequences per step; divisible by 1, 2, 4 or 8 GPUs
+gradient_accumulation_steps = 40    # 12 x 40 = 480 sequences per step on any of 1, 2, 4 or 8 GPUs
 learning_rate = 6e-4
 lr_schedule = 'cosine'
 warmup_iters = 2000

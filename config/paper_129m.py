@@ -1,16 +1,17 @@
-# Paper 1 (readout blind spot), 129M preset for a GPU: d 768, 12 heads, K = 12 layers looped R = 4 times, batch 32 x 256
-# tokens, AdamW 3e-4 constant (no warmup), betas (0.9, 0.999), wd 0.01, clip 1.0, dropout 0.1, reference init
-# (papers.md §1). Compose with an arm: python train.py config/paper_129m.py config/loop_raw.py --out_dir=out-129m-raw
-# Data: WikiText-103 with GPT-2 BPE (python prepare.py wikitext103); the paper used a 20k word-level vocabulary,
-# so absolute perplexities differ from its tables.
+# Paper 1 (readout blind spot), 129M preset for a GPU: d 768, 12 heads, K = 12 layers looped R = 4 times,
+# batch 32 x 256 tokens, AdamW 3e-4 constant (no warmup), betas (0.9, 0.999), wd 0.01, clip 1.0, dropout 0.1,
+# reference init (docs/papers.md §1). Compose with an arm, which applies after it:
+#   python train.py config/paper_129m.py config/loop_raw.py --out_dir=out-129m-raw
+# Data: WikiText-103 with GPT-2 BPE (python prepare.py wikitext103); the paper used a 20k word-level
+# vocabulary, so absolute perplexities differ from its tables.
 dataset = 'wikitext103'
 n_layer = 12
 n_loop = 4
 n_head = 12
 n_embd = 768
 block_size = 256
-batch_size = 32
-gradient_accumulation_steps = 1
+batch_size = 4                       # sequences per micro-batch
+gradient_accumulation_steps = 8      # 4 x 8 = 32 sequences per step on any of 1, 2, 4 or 8 GPUs
 dropout = 0.1
 init = 'reference'
 learning_rate = 3e-4
