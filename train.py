@@ -153,11 +153,12 @@ if master_process:
 
 data_dir = os.path.join('data', dataset)
 if not os.path.exists(os.path.join(data_dir, 'meta.json')) and dataset in ('shakespeare_char', 'shakespeare'):
+    if master_process:  # the other ranks wait at the barrier (torchrun ends them if this one fails)
+        print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
+        import prepare  # downloads tinyshakespeare once; offline, it dies naming the command to run instead
+        prepare.prepare(dataset)
     if ddp:
-        die(f"{data_dir} not found: prepare it first with `python prepare.py {dataset}`")
-    print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
-    import prepare  # downloads tinyshakespeare once; offline, it dies naming the command to run instead
-    prepare.prepare(dataset)
+        dist.barrier()
 meta = open_data(data_dir, block_size)  # checks files, token ids < vocab_size, and block_size vs. the splits
 meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what a checkpoint's tokens mean
 if ckpt is not None:
@@ -329,6 +330,18 @@ def nonfinite_report(X, Y):
         return "every exit CE and loop norm is finite: the norm penalty term or the backward pass overflowed"
     return "every exit CE and loop norm is finite on this batch: the backward pass (or another rank) broke"
 
+def skip_bad_step(X, Y, lossf, grad_norm):
+    """The update was skipped: say where the non-finite value came from, and stop if it keeps happening."""
+    reports = gather(nonfinite_report(X, Y))
+    if master_process:
+        where = '; '.join(f"rank {r}: {s}" for r, s in enumerate(reports)) if ddp else reports[0]
+        print(f"iter {iter_num}: non-finite loss ({lossf:.4g}) or grad norm ({grad_norm.item():.4g}), "
+              f"update skipped ({bad_in_a_row} in a row, {bad_total} total); {where}")
+    if bad_in_a_row >= max_bad_steps:
+        die(f"stopping at iter {iter_num}: {bad_in_a_row} consecutive steps with a non-finite loss or "
+            f"gradient (max_bad_steps={max_bad_steps}); {ckpt_path} holds the last good state: lower "
+            f"learning_rate or check the data, then resume")
+
 # metrics.jsonl: one JSON object per eval. A resumed run drops rows past the checkpoint's iteration (they
 # came from work the checkpoint does not hold, and will be redone); a new run starts a new file.
 metrics_path = os.path.join(out_dir, 'metrics.jsonl')
@@ -410,22 +423,12 @@ while True:
     ok = math.isfinite(lossf) and (grad_bad == 0 or scaler.is_enabled())
     if ok:
         scaler.step(optimizer)  # optimizer.step() unless fp16
-        bad_in_a_row = 0
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    bad_in_a_row = 0 if ok else bad_in_a_row + 1
     if not ok:
-        # skip the update, say where the non-finite value came from, stop if it keeps happening
-        bad_in_a_row += 1
         bad_total += 1
-        reports = gather(nonfinite_report(X, Y))
-        if master_process:
-            where = '; '.join(f"rank {r}: {s}" for r, s in enumerate(reports)) if ddp else reports[0]
-            print(f"iter {iter_num}: non-finite loss ({lossf:.4g}) or grad norm ({grad_norm.item():.4g}), "
-                  f"update skipped ({bad_in_a_row} in a row, {bad_total} total); {where}")
-        if bad_in_a_row >= max_bad_steps:
-            die(f"stopping at iter {iter_num}: {bad_in_a_row} consecutive steps with a non-finite loss or "
-                f"gradient (max_bad_steps={max_bad_steps}); {ckpt_path} holds the last good state: lower "
-                f"learning_rate or check the data, then resume")
+        skip_bad_step(X, Y, lossf, grad_norm)
 
     # timing and logging
     t1 = time.time()
