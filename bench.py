@@ -4,11 +4,12 @@ but every number here is a ratio of two things timed in the same process, interl
 warm-up excluded).
 
     python bench.py                                   # CPU, a few minutes; writes bench.json
+    python bench.py --size=tiny                       # seconds: every row at toy sizes (what the tests run)
     python bench.py --compile                         # also time torch.compile (minutes on a CPU)
     python bench.py --threads=1 --timer=process       # on a busy machine: CPU seconds, not wall time
     python bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
 
-Rows (issue 5's targets):
+Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
   2 peak memory   one training step, per-loop vs terminal loss, GPT-2 vocabulary, R = 4          <= 1.25
   3 step time     per-loop vs terminal at that vocabulary                   <= 1 + (R-1) * head share
@@ -16,7 +17,7 @@ Rows (issue 5's targets):
   5 early exit    adaptive-exit decoding: tok/s and mean loops per token vs fixed R              report
   6 compile       torch.compile vs eager training step; graph breaks of the looped forward       0 breaks
   7 MFU           model flops / s of the looped step against the matmul ceiling (CPU: measured here;
-                  CUDA: GPT.peak_flops of the device, and the measured bf16 matmul rate)
+                  CUDA: model.peak_flops of the device, and the measured bf16 matmul rate)
 A "training step" is forward + backward (the optimizer update is left out: it is per parameter, and a
 looped model has R times fewer parameters, which would flatter row 1).
 """
@@ -34,11 +35,13 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, LinearCrossEntropy
+from errors import Parser, die
+from model import GPT, GPTConfig, LinearCrossEntropy, exit_score, peak_flops
 
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
 SIZES = {
@@ -55,19 +58,34 @@ SIZES = {
         decode=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, prompt=16, new_tokens=512, vocab_size=65),
         matmul=2048, repeats=7, warmup=2, decode_repeats=2),
     'gpu': dict(
-        speed=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, batch_size=8, block_size=1024, vocab_size=50304),
-        head=dict(n_embd=768, n_head=12, n_layer=2, n_loop=4, batch_size=8, block_size=1024, vocab_size=50257),
+        speed=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, batch_size=8, block_size=1024,
+                   vocab_size=50304),
+        head=dict(n_embd=768, n_head=12, n_layer=2, n_loop=4, batch_size=8, block_size=1024,
+                  vocab_size=50257),
         decode=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, prompt=16, new_tokens=512, vocab_size=50257),
         matmul=8192, repeats=10, warmup=3, decode_repeats=3),
 }
-MODEL_KEYS = ('n_embd', 'n_head', 'n_layer', 'n_loop', 'block_size', 'vocab_size')
+
+
+@dataclass
+class Run:
+    """What every row is measured with, and what a row hands on to later rows."""
+    size: dict                # one entry of SIZES
+    device: torch.device
+    warmup: int               # untimed calls before the timed ones
+    repeats: int              # timed calls per measurement
+    compile: bool             # row 6: time torch.compile (the graph-break count runs either way)
+    looped: GPT = None        # row 1's looped model, its batch and its step time: re-used by rows 6 and 7
+    batch: tuple = None
+    looped_s: float = None
+    compiled_s: float = None  # row 6's compiled step time, for row 7 (None when not compiled)
 
 
 # -----------------------------------------------------------------------------
 # helpers
 
-def build(device, dtype=torch.float32, **kw):
-    # a quiet GPT (GPT.__init__ prints its parameter count)
+def build(device, **kw):
+    # a quiet GPT (GPT.__init__ prints its parameter count); keys that are not GPTConfig's are left out
     with contextlib.redirect_stdout(io.StringIO()):
         model = GPT(GPTConfig(**{k: v for k, v in kw.items() if k in GPTConfig.__dataclass_fields__}))
     return model.to(device)
@@ -81,6 +99,11 @@ def batch(spec, device, seed=0):
     return X.to(device), Y.to(device)
 
 
+def random_tokens(vocab_size, T, seed, device):
+    """One row (1, T) of random token ids."""
+    return torch.randint(vocab_size, (1, T), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
 def sync(device):
     if device.type == 'cuda':
         torch.cuda.synchronize()
@@ -91,11 +114,12 @@ def autocast(device):
     return torch.autocast('cuda', dtype=torch.bfloat16) if device.type == 'cuda' else contextlib.nullcontext()
 
 
-def train_step(model, X, Y, device):
-    """One forward + backward (what every training step costs; the optimizer update is left out)."""
+def train_step(model, X, Y, device, loss_fn=None):
+    """One forward + backward (what every training step costs; the optimizer update is left out).
+    loss_fn(model, X, Y) replaces the model's own loss."""
     def step():
         with autocast(device):
-            _, loss = model(X, Y)
+            loss = model(X, Y)[1] if loss_fn is None else loss_fn(model, X, Y)
         loss.backward()
         model.zero_grad(set_to_none=True)
     return step
@@ -124,19 +148,28 @@ def side_by_side(fns, device, warmup, repeats):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def cpu_name():
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            return next(line.split(':', 1)[1].strip() for line in cpuinfo if line.startswith('model name'))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def machine(device):
     info = dict(torch=torch.__version__, python=platform.python_version(),
                 date=datetime.datetime.now().strftime('%Y-%m-%d %H:%M'), device=device.type)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as f:
-            cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
-    except (OSError, StopIteration):
-        pass
-    info.update(cpu=cpu, cpu_threads=torch.get_num_threads(), cpu_cores=os.cpu_count())
+    info.update(cpu=cpu_name(), cpu_threads=torch.get_num_threads(), cpu_cores=os.cpu_count())
     if device.type == 'cuda':
         info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return info
+
+
+def where(m):
+    """The machine of a result, in a few words: the GPU, or the CPU and its threads."""
+    if m['device'] == 'cuda':
+        return f"gpu: {m['gpu']}, cuda {m['cuda']}"
+    return f"cpu: {m['cpu']}, {m['cpu_threads']} threads"
 
 
 def matmul_ceiling(device, n, warmup, repeats):
@@ -149,61 +182,62 @@ def matmul_ceiling(device, n, warmup, repeats):
 
 
 # -----------------------------------------------------------------------------
+# row 1: looped vs untied training step
+
+def row_untied(run):
+    spec = run.size['speed']
+    K, R = spec['n_layer'], spec['n_loop']
+    looped = build(run.device, **spec, supervision='terminal')
+    untied = build(run.device, **dict(spec, n_layer=K * R, n_loop=1), supervision='terminal')
+    X, Y = batch(spec, run.device)
+    t = side_by_side({'looped': train_step(looped, X, Y, run.device),
+                      'untied': train_step(untied, X, Y, run.device)}, run.device, run.warmup, run.repeats)
+    run.looped, run.batch, run.looped_s = looped, (X, Y), t['looped']
+    tokens = X.numel()
+    ratio = t['untied'] / t['looped']  # tokens/s looped over tokens/s untied
+    return {'untied_vs_looped': dict(
+        ratio=ratio, target='>= 0.97', met=ratio >= 0.97, looped_tok_s=tokens / t['looped'],
+        untied_tok_s=tokens / t['untied'], looped_s=t['looped'], untied_s=t['untied'],
+        config=dict(spec, supervision='terminal'))}
+
+
+# -----------------------------------------------------------------------------
 # row 2: peak memory of one training step
 
 def naive_per_loop_loss(model, X, Y):
     # the textbook per-loop loss: R full (B, T, V) logit tensors, all kept alive for the backward pass
-    states = model.loop_states(X)
-    R = len(states)
-    return sum(F.cross_entropy(model.readout(h, k).float().view(-1, model.config.vocab_size), Y.view(-1),
-                               ignore_index=-1) for k, h in enumerate(states, start=1)) / R
-
-
-def step_for(model, X, Y, loss_kind, device):
-    def step():
-        with autocast(device):
-            loss = naive_per_loop_loss(model, X, Y) if loss_kind == 'naive' else model(X, Y)[1]
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-    return step
+    states = model.states(X)
+    V = model.config.vocab_size
+    return sum(F.cross_entropy(model.readout(h, k).float().view(-1, V), Y.view(-1), ignore_index=-1)
+               for k, h in enumerate(states, start=1)) / len(states)
 
 
 def proc_status(key):
-    with open('/proc/self/status') as f:
-        for line in f:
+    with open('/proc/self/status') as status:
+        for line in status:
             if line.startswith(key + ':'):
                 return int(line.split()[1]) * 1024  # kB -> bytes
     raise KeyError(key)
 
 
-def peak_step_memory(spec, loss_kind, device_name='cpu'):
-    """Bytes one training step needs above what is resident before it (model, batch, one warm-up step done).
+def cuda_step_bytes(step, device):
+    sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    sync(device)
+    return dict(peak_bytes=torch.cuda.max_memory_allocated(device) - base,
+                method='torch.cuda.max_memory_allocated')
 
-    CPU: in this (fresh) process, the high-water RSS is reset through /proc/self/clear_refs and read from
-    VmHWM; where that is not possible, resource.getrusage's max RSS minus the RSS before the step (then an
-    upper bound). Run it in a child process with MALLOC_MMAP_THRESHOLD_ set (see memory_child) so that every
-    large tensor is its own mmap and is handed back to the OS when freed. CUDA: torch.cuda.max_memory_allocated.
-    """
-    device = torch.device(device_name)
-    supervision = 'terminal' if loss_kind == 'terminal' else 'per_loop'
-    model = build(device, **spec, supervision=supervision)
-    X, Y = batch(spec, device)
-    step = step_for(model, X, Y, loss_kind, device)
-    step()  # warm-up: one-time buffers (thread pools, kernels) are not the step's
-    gc.collect()
-    if device.type == 'cuda':
-        sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        sync(device)
-        return dict(peak_bytes=torch.cuda.max_memory_allocated(device) - base, method='torch.cuda.max_memory_allocated')
+
+def cpu_step_bytes(step):
     try:
-        with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')  # resets VmHWM (Linux >= 4.0)
+        with open('/proc/self/clear_refs', 'w') as clear_refs:
+            clear_refs.write('5')  # resets VmHWM (Linux >= 4.0)
         base = proc_status('VmRSS')
         step()
-        return dict(peak_bytes=proc_status('VmHWM') - base, method='VmHWM after clear_refs, minus VmRSS before')
+        return dict(peak_bytes=proc_status('VmHWM') - base,
+                    method='VmHWM after clear_refs, minus VmRSS before')
     except OSError:
         base = proc_status('VmRSS') if os.path.exists('/proc/self/status') else 0
         step()
@@ -212,307 +246,392 @@ def peak_step_memory(spec, loss_kind, device_name='cpu'):
         return dict(peak_bytes=maxrss - base, method='getrusage max RSS minus RSS before (upper bound)')
 
 
+def peak_step_memory(spec, loss_kind, device_name='cpu'):
+    """Bytes one training step needs above what is resident before it (model, batch, one warm-up step done).
+
+    CPU: in this (fresh) process, the high-water RSS is reset through /proc/self/clear_refs and read from
+    VmHWM; where that is not possible, resource.getrusage's max RSS minus the RSS before the step (then an
+    upper bound). Run it in a child process with MALLOC_MMAP_THRESHOLD_ set (see memory_child) so that every
+    large tensor is its own mmap and is handed back to the OS when freed.
+    CUDA: torch.cuda.max_memory_allocated.
+    """
+    device = torch.device(device_name)
+    model = build(device, **spec, supervision='terminal' if loss_kind == 'terminal' else 'per_loop')
+    X, Y = batch(spec, device)
+    step = train_step(model, X, Y, device, naive_per_loop_loss if loss_kind == 'naive' else None)
+    step()  # warm-up: one-time buffers (thread pools, kernels) are not the step's
+    gc.collect()
+    return cuda_step_bytes(step, device) if device.type == 'cuda' else cpu_step_bytes(step)
+
+
 def memory_child(spec, loss_kind):
     """peak_step_memory on CPU in a fresh Python process (its own RSS, nothing else's)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', MALLOC_TRIM_THRESHOLD_='0', PYTHONUNBUFFERED='1')
-    cmd = [sys.executable, os.path.abspath(__file__), f'--threads={torch.get_num_threads()}', '--mem_child', json.dumps(dict(spec=spec, loss=loss_kind))]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.abspath(__file__)
+    cmd = [sys.executable, here, f'--threads={torch.get_num_threads()}',
+           '--mem_child', json.dumps(dict(spec=spec, loss=loss_kind))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(here))
     if out.returncode != 0:
         raise RuntimeError(f"memory child ({loss_kind}) failed: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def row_memory(size, device):
-    spec = size['head']
+def row_memory(run):
+    spec = run.size['head']
     # terminal and per-loop as the model computes them, plus the naive per-loop loss for scale
     kinds = ('terminal', 'per_loop', 'naive')
-    if device.type == 'cuda':
-        res = {k: peak_step_memory(spec, k, str(device)) for k in kinds}
+    if run.device.type == 'cuda':
+        res = {k: peak_step_memory(spec, k, str(run.device)) for k in kinds}
         torch.cuda.empty_cache()
     else:
         res = {k: memory_child(spec, k) for k in kinds}
     mib = {k: v['peak_bytes'] / 2 ** 20 for k, v in res.items()}
     B, T, V = spec['batch_size'], spec['block_size'], spec['vocab_size']
-    return dict(ratio=mib['per_loop'] / mib['terminal'], target='<= 1.25', met=mib['per_loop'] / mib['terminal'] <= 1.25,
-                terminal_mib=mib['terminal'], per_loop_mib=mib['per_loop'], naive_per_loop_mib=mib['naive'],
-                naive_ratio=mib['naive'] / mib['terminal'], one_logits_tensor_mib=B * T * V * 4 / 2 ** 20,
-                method=res['terminal']['method'], config={k: spec[k] for k in spec})
+    ratio = mib['per_loop'] / mib['terminal']
+    return {'peak_memory': dict(
+        ratio=ratio, target='<= 1.25', met=ratio <= 1.25, terminal_mib=mib['terminal'],
+        per_loop_mib=mib['per_loop'], naive_per_loop_mib=mib['naive'],
+        naive_ratio=mib['naive'] / mib['terminal'], one_logits_tensor_mib=B * T * V * 4 / 2 ** 20,
+        method=res['terminal']['method'], config=dict(spec))}
 
 
 # -----------------------------------------------------------------------------
-# rows 1, 3, 6, 7: training steps
+# row 3: step time of per-loop vs terminal supervision, against the share of the head
 
-def row_untied(size, device, warmup, repeats):
-    spec = size['speed']
-    K, R = spec['n_layer'], spec['n_loop']
-    looped = build(device, **spec, supervision='terminal')
-    untied = build(device, **dict(spec, n_layer=K * R, n_loop=1), supervision='terminal')
-    X, Y = batch(spec, device)
-    t = side_by_side({'looped': train_step(looped, X, Y, device), 'untied': train_step(untied, X, Y, device)},
-                     device, warmup, repeats)
-    tokens = X.numel()
-    ratio = t['untied'] / t['looped']  # tokens/s looped over tokens/s untied
-    return dict(ratio=ratio, target='>= 0.97', met=ratio >= 0.97, looped_tok_s=tokens / t['looped'],
-                untied_tok_s=tokens / t['untied'], looped_s=t['looped'], untied_s=t['untied'],
-                config=dict(spec, supervision='terminal')), looped, (X, Y)
-
-
-def row_step_time(size, device, warmup, repeats):
-    spec = size['head']
-    R = spec['n_loop']
-    terminal = build(device, **spec, supervision='terminal')
-    per_loop = build(device, **spec, supervision='per_loop')
-    per_loop.load_state_dict(terminal.state_dict())
-    X, Y = batch(spec, device)
-    # the head alone: readout norm + linear + CE, forward and backward, for one exit (what each extra exit adds)
-    # timed on the model's own final state h_R (the data changes the cost of the softmax on a CPU)
+def head_step(model, X, Y, device):
+    """The head alone: readout norm + linear + CE, forward and backward, for one exit (what each extra exit
+    adds), on the model's own final state h_R (the data changes the cost of the softmax on a CPU)."""
+    R = model.config.n_loop
     with torch.no_grad(), autocast(device):
-        h = terminal.loop_states(X)[-1].float()
+        h = model.states(X)[-1].float()
     h.requires_grad_(True)
 
-    def head():
+    def step():
         with autocast(device):
-            loss = LinearCrossEntropy.apply(terminal.lm_head.weight, Y, (1.0,), terminal.readout_norm(h, R)[None])
+            loss = LinearCrossEntropy.apply(model.lm_head.weight, Y, (1.0,), model.readout_norm(h, R)[None])
         loss.backward()
         h.grad = None
-        terminal.zero_grad(set_to_none=True)
-    t = side_by_side({'terminal': train_step(terminal, X, Y, device), 'per_loop': train_step(per_loop, X, Y, device),
-                      'head': head}, device, warmup, repeats)
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def row_step_time(run):
+    spec = run.size['head']
+    terminal = build(run.device, **spec, supervision='terminal')
+    per_loop = build(run.device, **spec, supervision='per_loop')
+    per_loop.load_state_dict(terminal.state_dict())
+    X, Y = batch(spec, run.device)
+    t = side_by_side({'terminal': train_step(terminal, X, Y, run.device),
+                      'per_loop': train_step(per_loop, X, Y, run.device),
+                      'head': head_step(terminal, X, Y, run.device)}, run.device, run.warmup, run.repeats)
     share = t['head'] / t['terminal']
-    bound = 1 + (R - 1) * share
+    bound = 1 + (spec['n_loop'] - 1) * share
     ratio = t['per_loop'] / t['terminal']
-    return dict(ratio=ratio, bound=bound, target='<= 1 + (R-1) * head share', met=ratio <= bound,
-                head_share=share, terminal_s=t['terminal'], per_loop_s=t['per_loop'], head_s=t['head'],
-                config=dict(spec))
-
-
-def row_compile(looped, XY, size, device, warmup, repeats, do_compile):
-    import torch._dynamo
-    X, Y = XY
-    # graph breaks of the looped training forward (loss included): dynamo's explain, no compilation
-    torch._dynamo.reset()
-    ex = torch._dynamo.explain(looped)(X, Y)
-    out = dict(graph_breaks=ex.graph_break_count, graphs=ex.graph_count, target='0 graph breaks; report speed',
-               break_reasons=[str(r.reason) for r in ex.break_reasons][:5])
-    out['met'] = ex.graph_break_count == 0
-    torch._dynamo.reset()
-    if not do_compile:
-        out.update(ratio=None, skipped='not asked for (--compile)')
-        return out, None
-    compiled = torch.compile(looped)
-    t0 = time.perf_counter()
-    train_step(compiled, X, Y, device)()  # compiles forward and backward
-    sync(device)
-    out['compile_s'] = time.perf_counter() - t0
-    t = side_by_side({'eager': train_step(looped, X, Y, device), 'compiled': train_step(compiled, X, Y, device)},
-                     device, warmup, repeats)
-    out.update(ratio=t['eager'] / t['compiled'], eager_s=t['eager'], compiled_s=t['compiled'],
-               eager_tok_s=X.numel() / t['eager'], compiled_tok_s=X.numel() / t['compiled'])
-    return out, t['compiled']
-
-
-def row_mfu(looped, size, device, untied, compiled_s, warmup, repeats):
-    T = size['speed']['block_size']
-    tokens = size['speed']['batch_size'] * T
-    flops = looped.flops_per_token(T) * tokens  # forward + backward flops of one step
-    ceiling = matmul_ceiling(device, size['matmul'], warmup, repeats)
-    out = dict(matmul_flops=ceiling, matmul_n=size['matmul'], model_flops_per_step=flops,
-               eager_flops=flops / untied['looped_s'], mfu_vs_matmul=flops / untied['looped_s'] / ceiling,
-               target='report')
-    if compiled_s is not None:
-        out['compiled_mfu_vs_matmul'] = flops / compiled_s / ceiling
-    if device.type == 'cuda':
-        peak = GPT.peak_flops(torch.cuda.get_device_name(device))
-        out['peak_flops'] = peak
-        if peak:
-            out['mfu_vs_peak'] = flops / untied['looped_s'] / peak
-            if compiled_s is not None:
-                out['compiled_mfu_vs_peak'] = flops / compiled_s / peak
-    return out
+    return {'step_time': dict(
+        ratio=ratio, bound=bound, target='<= 1 + (R-1) * head share', met=ratio <= bound, head_share=share,
+        terminal_s=t['terminal'], per_loop_s=t['per_loop'], head_s=t['head'], config=dict(spec))}
 
 
 # -----------------------------------------------------------------------------
 # rows 4, 5: decoding
 
-def row_decode(size, device, warmup, repeats):
-    spec = size['decode']
-    n_new, R = spec['new_tokens'], spec['n_loop']
-    block_size = spec['prompt'] + n_new  # holds prompt + every new token: no crop in either mode
+EXIT_POLICY = 'maxprob'  # row 5's exit score (model.EXIT_POLICIES)
+
+def decode_model(spec, block_size, device):
     # init='gpt2': under the reference init, wte ~ N(0, 1) and the tied head make exit 1 echo the input token
     # with probability ~1, and every token would leave after one loop
     model = build(device, **dict(spec, block_size=block_size), init='gpt2').eval()
-    if device.type == 'cuda':
-        model = model.to(torch.bfloat16)
-    prompt = torch.randint(spec['vocab_size'], (1, spec['prompt']), generator=torch.Generator().manual_seed(0)).to(device)
-    # adaptive exit: on an untrained model the confidences mean nothing, so the threshold is set at the median
-    # max-prob of exit 1 over random tokens: about half the tokens should leave after the first loop
-    with torch.no_grad():
-        probe = torch.randint(spec['vocab_size'], (1, min(block_size, 256)), generator=torch.Generator().manual_seed(1)).to(device)
-        h1 = model.loop_states(probe, n_loop=1)[0]
-        threshold = model.readout(h1, 1).float().softmax(-1).amax(-1).median().item()
+    return model.to(torch.bfloat16) if device.type == 'cuda' else model
 
+
+@torch.no_grad()
+def median_first_exit_score(model, T, device):
+    """The median exit score of exit 1 over T random tokens. On an untrained model the scores mean nothing;
+    as a threshold this makes about half the tokens leave after the first loop."""
+    probe = random_tokens(model.config.vocab_size, T, seed=1, device=device)
+    h1 = model.states(probe, n_loop=1)[0]
+    return exit_score(model.readout(h1, 1), EXIT_POLICY).median().item()
+
+
+def time_decoding(run, model, prompt, n_new, threshold):
+    """Median seconds to sample n_new tokens: 'cached', 'uncached' (no KV cache) and 'adaptive' (cached,
+    adaptive exit at threshold); and the mean loops per new token of the adaptive run."""
     def gen(use_cache, exit_threshold=None):
-        def run():
+        def decode():
             torch.manual_seed(0)
-            model.generate(prompt, n_new, temperature=1.0, use_cache=use_cache, exit_threshold=exit_threshold)
-        return run
+            model.generate(prompt, n_new, temperature=1.0, use_cache=use_cache, exit_threshold=exit_threshold,
+                           exit_policy=EXIT_POLICY)
+        return decode
+    t = side_by_side({'cached': gen(True), 'adaptive': gen(True, threshold)}, run.device, 1,
+                     min(3, run.repeats))
     # the uncached run costs ~n_new full forwards: fewer repeats for it
-    t = side_by_side({'cached': gen(True), 'adaptive': gen(True, threshold)}, device, 1, min(3, repeats))
-    t.update(side_by_side({'uncached': gen(False)}, device, 0, min(size['decode_repeats'], repeats)))
+    t.update(side_by_side({'uncached': gen(False)}, run.device, 0,
+                          min(run.size['decode_repeats'], run.repeats)))
     gen(True, threshold)()
-    loops = model.last_loops_used[:, 1:].float().mean().item()  # the first token comes off the full prompt pass
-    kv = dict(ratio=t['uncached'] / t['cached'], target='>= 5x', met=t['uncached'] / t['cached'] >= 5,
-              cached_tok_s=n_new / t['cached'], uncached_tok_s=n_new / t['uncached'],
-              config=dict(spec, block_size=block_size, batch_size=1))
+    # the first new token comes off the full prompt pass, which runs all R loops: left out of the mean
+    return t, model.last_loops_used[:, 1:].float().mean().item()
+
+
+def row_decode(run):
+    spec = run.size['decode']
+    n_new, R = spec['new_tokens'], spec['n_loop']
+    block_size = spec['prompt'] + n_new  # holds prompt + every new token: no crop in either mode
+    model = decode_model(spec, block_size, run.device)
+    prompt = random_tokens(spec['vocab_size'], spec['prompt'], seed=0, device=run.device)
+    threshold = median_first_exit_score(model, min(block_size, 256), run.device)
+    t, loops = time_decoding(run, model, prompt, n_new, threshold)
+    ratio = t['uncached'] / t['cached']
+    kv = dict(ratio=ratio, target='>= 5x', met=ratio >= 5, cached_tok_s=n_new / t['cached'],
+              uncached_tok_s=n_new / t['uncached'], config=dict(spec, block_size=block_size, batch_size=1))
     adaptive = dict(ratio=t['cached'] / t['adaptive'], target='report', met=None, threshold=threshold,
                     mean_loops=loops, fixed_loops=R, adaptive_tok_s=n_new / t['adaptive'],
-                    fixed_tok_s=n_new / t['cached'], exit_policy='maxprob')
-    return kv, adaptive
+                    fixed_tok_s=n_new / t['cached'], exit_policy=EXIT_POLICY)
+    return {'kv_cache': kv, 'adaptive_exit': adaptive}
+
+
+# -----------------------------------------------------------------------------
+# rows 6, 7: torch.compile and MFU of row 1's looped model
+
+def looped_of_row_1(run):
+    if run.looped is None:
+        raise RuntimeError("needs row 1's looped model, which was not measured")
+    return run.looped, run.batch
+
+
+def graph_breaks(model, X, Y):
+    """Graph breaks of the training forward (loss included): dynamo's explain, no compilation."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(model)(X, Y)
+    torch._dynamo.reset()
+    reasons = [str(r.reason) for r in ex.break_reasons][:5]
+    return dict(graph_breaks=ex.graph_break_count, graphs=ex.graph_count,
+                target='0 graph breaks; report speed', break_reasons=reasons, met=ex.graph_break_count == 0)
+
+
+def row_compile(run):
+    looped, (X, Y) = looped_of_row_1(run)
+    out = graph_breaks(looped, X, Y)
+    if not run.compile:
+        return {'compile': dict(out, ratio=None, skipped='not asked for (--compile)')}
+    compiled = torch.compile(looped)
+    t0 = time.perf_counter()
+    train_step(compiled, X, Y, run.device)()  # compiles forward and backward
+    sync(run.device)
+    out['compile_s'] = time.perf_counter() - t0
+    steps = {'eager': train_step(looped, X, Y, run.device),
+             'compiled': train_step(compiled, X, Y, run.device)}
+    t = side_by_side(steps, run.device, run.warmup, run.repeats)
+    run.compiled_s = t['compiled']
+    out.update(ratio=t['eager'] / t['compiled'], eager_s=t['eager'], compiled_s=t['compiled'],
+               eager_tok_s=X.numel() / t['eager'], compiled_tok_s=X.numel() / t['compiled'])
+    return {'compile': out}
+
+
+def utilisation(flops_per_step, ceiling, run, suffix):
+    """Model flops / s over ceiling (FLOP/s) of the eager step, and of the compiled one where it was timed."""
+    out = {f'mfu_vs_{suffix}': flops_per_step / run.looped_s / ceiling}
+    if run.compiled_s is not None:
+        out[f'compiled_mfu_vs_{suffix}'] = flops_per_step / run.compiled_s / ceiling
+    return out
+
+
+def row_mfu(run):
+    looped, (X, _) = looped_of_row_1(run)
+    flops = looped.flops_per_token(X.size(1)) * X.numel()  # forward + backward flops of one step
+    ceiling = matmul_ceiling(run.device, run.size['matmul'], run.warmup, run.repeats)
+    out = dict(matmul_flops=ceiling, matmul_n=run.size['matmul'], model_flops_per_step=flops,
+               eager_flops=flops / run.looped_s, target='report')
+    out.update(utilisation(flops, ceiling, run, 'matmul'))
+    if run.device.type == 'cuda':
+        peak = peak_flops(torch.cuda.get_device_name(run.device))  # None for a device not in the list
+        out['peak_flops'] = peak
+        if peak:
+            out.update(utilisation(flops, peak, run, 'peak'))
+    return {'mfu': out}
+
+
+# (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model
+MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), ('step_time', row_step_time),
+                ('kv_cache', row_decode), ('compile', row_compile), ('mfu', row_mfu))
+
+
+# -----------------------------------------------------------------------------
+# the table: per row, its cells (measurement, value, target, met) and any note lines under it
+
+def cells_untied(row):
+    c = row['config']
+    K, R = c['n_layer'], c['n_loop']
+    return [(f"train tok/s K={K} x R={R} vs untied {K * R} layers",
+             f"{row['ratio']:.3f} ({row['looped_tok_s']:,.0f}/{row['untied_tok_s']:,.0f})", row['target'],
+             row['met'])]
+
+
+def cells_memory(row):
+    return [(f"peak step memory per-loop / terminal (V={row['config']['vocab_size']})",
+             f"{row['ratio']:.3f} ({row['per_loop_mib']:.0f}/{row['terminal_mib']:.0f} MiB)", row['target'],
+             row['met']),
+            f"(naive per-loop, R logit tensors kept: {row['naive_per_loop_mib']:.0f} MiB = "
+            f"{row['naive_ratio']:.2f}x terminal)"]
+
+
+def cells_step_time(row):
+    return [(f"step time per-loop / terminal (R={row['config']['n_loop']})", f"{row['ratio']:.2f}",
+             f"<= {row['bound']:.2f} (share {row['head_share']:.2f})", row['met'])]
+
+
+def cells_kv_cache(row):
+    return [(f"decode tok/s cached / uncached ({row['config']['new_tokens']} new)",
+             f"{row['ratio']:.1f}x ({row['cached_tok_s']:.0f}/{row['uncached_tok_s']:.0f})", row['target'],
+             row['met'])]
+
+
+def cells_adaptive(row):
+    return [("adaptive / fixed-R decode tok/s; loops/token",
+             f"{row['ratio']:.2f}x; {row['mean_loops']:.2f}/{row['fixed_loops']}", 'report', None)]
+
+
+def cells_compile(row):
+    if row.get('ratio') is None:
+        speed = 'skipped'
+    else:
+        speed = f"{row['ratio']:.2f}x (compile {row['compile_s']:.0f}s)"
+    return [("compiled / eager train step speed; graph breaks", f"{speed}; {row['graph_breaks']} breaks",
+             '0 breaks', row['met'])]
+
+
+def percent(row, key):
+    """'12.3%', followed by ' (45.6% compiled)' where the compiled step was timed."""
+    text = f"{row[key] * 100:.1f}%"
+    if row.get('compiled_' + key) is not None:
+        text += f" ({row['compiled_' + key] * 100:.1f}% compiled)"
+    return text
+
+
+def cells_mfu(row):
+    cells = [(f"MFU of the looped step vs matmul {row['matmul_flops'] / 1e9:,.0f} GFLOP/s",
+              percent(row, 'mfu_vs_matmul'), 'report', None)]
+    if row.get('mfu_vs_peak') is not None:
+        cells.append((f"  vs datasheet peak {row['peak_flops'] / 1e12:.0f} TFLOP/s",
+                      percent(row, 'mfu_vs_peak'), 'report', None))
+    return cells
+
+
+TABLE = (('untied_vs_looped', cells_untied), ('peak_memory', cells_memory), ('step_time', cells_step_time),
+         ('kv_cache', cells_kv_cache), ('adaptive_exit', cells_adaptive), ('compile', cells_compile),
+         ('mfu', cells_mfu))
+
+
+def table_line(i, what, value, target, met):
+    ok = '-' if met is None else ('yes' if met else 'NO')
+    return f"{i:<2} {what:<46} {value:>26}  {target:<24} {ok:<4}"
+
+
+def fmt_table(res):
+    m = res['machine']
+    lines = [f"nanoloop bench ({res['size']}), {where(m)}, torch {m['torch']}, {res['timer']} clock, "
+             f"{m['date']}",
+             f"{'#':<2} {'measurement':<46} {'value':>26}  {'target':<24} {'ok':<4}"]
+    note = ' ' * 5  # indent of a note under its row
+    for i, (name, cells) in enumerate(TABLE, start=1):
+        row = res['rows'].get(name)
+        if row is None or 'error' in row:
+            lines.append(table_line(i, name, 'not measured', '', False))
+            lines.append(note + (row['error'] if row else 'missing'))
+            continue
+        for j, cell in enumerate(cells(row)):
+            lines.append(note + cell if isinstance(cell, str) else table_line(i if j == 0 else '', *cell))
+    return '\n'.join(lines)
 
 
 # -----------------------------------------------------------------------------
 
-def fmt_table(res):
-    m = res['machine']
-    where = f"gpu: {m['gpu']}, cuda {m['cuda']}" if m['device'] == 'cuda' else f"cpu: {m['cpu']}, {m['cpu_threads']} threads"
-    lines = [f"nanoloop bench ({res['size']}), {where}, torch {m['torch']}, {res['timer']} clock, {m['date']}",
-             f"{'#':<2} {'measurement':<46} {'value':>26}  {'target':<24} {'ok':<4}"]
-
-    def line(i, what, value, target, met):
-        ok = '-' if met is None else ('yes' if met else 'NO')
-        lines.append(f"{i:<2} {what:<46} {value:>26}  {target:<24} {ok:<4}")
-
-    def untied(u):
-        c = u['config']
-        line(1, f"train tok/s K={c['n_layer']} x R={c['n_loop']} vs untied {c['n_layer'] * c['n_loop']} layers",
-             f"{u['ratio']:.3f} ({u['looped_tok_s']:,.0f}/{u['untied_tok_s']:,.0f})", '>= 0.97', u['met'])
-
-    def memory(mm):
-        line(2, f"peak step memory per-loop / terminal (V={mm['config']['vocab_size']})",
-             f"{mm['ratio']:.3f} ({mm['per_loop_mib']:.0f}/{mm['terminal_mib']:.0f} MiB)", '<= 1.25', mm['met'])
-        lines.append(f"{'':<2}   (naive per-loop, R logit tensors kept: {mm['naive_per_loop_mib']:.0f} MiB = "
-                     f"{mm['naive_ratio']:.2f}x terminal)")
-
-    def step_time(s):
-        line(3, f"step time per-loop / terminal (R={s['config']['n_loop']})", f"{s['ratio']:.2f}",
-             f"<= {s['bound']:.2f} (share {s['head_share']:.2f})", s['met'])
-
-    def kv(k):
-        line(4, f"decode tok/s cached / uncached ({k['config']['new_tokens']} new)",
-             f"{k['ratio']:.1f}x ({k['cached_tok_s']:.0f}/{k['uncached_tok_s']:.0f})", '>= 5x', k['met'])
-
-    def adaptive(a):
-        line(5, "adaptive / fixed-R decode tok/s; loops/token",
-             f"{a['ratio']:.2f}x; {a['mean_loops']:.2f}/{a['fixed_loops']}", 'report', None)
-
-    def compiled(c):
-        cval = 'skipped' if c.get('ratio') is None else f"{c['ratio']:.2f}x (compile {c['compile_s']:.0f}s)"
-        line(6, "compiled / eager train step speed; graph breaks", f"{cval}; {c['graph_breaks']} breaks",
-             '0 breaks', c['met'])
-
-    def mfu(f):
-        val = f"{f['mfu_vs_matmul'] * 100:.1f}%"
-        if f.get('compiled_mfu_vs_matmul') is not None:
-            val += f" ({f['compiled_mfu_vs_matmul'] * 100:.1f}% compiled)"
-        line(7, f"MFU of the looped step vs matmul {f['matmul_flops'] / 1e9:,.0f} GFLOP/s", val, 'report', None)
-        if f.get('mfu_vs_peak') is not None:
-            v = f"{f['mfu_vs_peak'] * 100:.1f}%" + (f" ({f['compiled_mfu_vs_peak'] * 100:.1f}% compiled)"
-                                                   if f.get('compiled_mfu_vs_peak') is not None else '')
-            line('', f"  vs datasheet peak {f['peak_flops'] / 1e12:.0f} TFLOP/s", v, 'report', None)
-    for i, (name, show) in enumerate([('untied_vs_looped', untied), ('peak_memory', memory), ('step_time', step_time),
-                                      ('kv_cache', kv), ('adaptive_exit', adaptive), ('compile', compiled),
-                                      ('mfu', mfu)], start=1):
-        row = res['rows'].get(name)
-        if row is None or 'error' in row:
-            line(i, name, 'not measured', '', False)
-            lines.append(f"{'':<2}   {row['error'] if row else 'missing'}")
-        else:
-            show(row)
-    return '\n'.join(lines)
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'), help='auto: cuda if available')
-    p.add_argument('--size', default='auto', choices=('auto',) + tuple(SIZES), help="auto: 'gpu' on cuda, else 'cpu'")
+def parse_args(argv):
+    p = Parser('bench.py', __doc__)
+    p.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'),
+                   help='auto: cuda if available')
+    p.add_argument('--size', default='auto', choices=('auto',) + tuple(SIZES),
+                   help="auto: 'gpu' on cuda, else 'cpu'")
     p.add_argument('--compile', default=None, action=argparse.BooleanOptionalAction,
-                   help='time torch.compile vs eager (row 6; default: on cuda only, it takes minutes on a CPU); '
-                        'the graph-break count runs either way')
+                   help='time torch.compile vs eager (row 6; default: on cuda only, it takes minutes on a '
+                        'CPU); the graph-break count runs either way')
     p.add_argument('--repeats', type=int, default=0, help="timed repeats per measurement (0 = the size's)")
     p.add_argument('--threads', type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument('--timer', default='wall', choices=('wall', 'process'),
-                   help="wall: perf_counter; process: CPU time of this process (CPU only, use with --threads=1 "
-                        "on a busy machine: other processes' load then barely moves the numbers)")
+                   help="wall: perf_counter; process: CPU time of this process (CPU only, use with "
+                        "--threads=1 on a busy machine: other processes' load then barely moves the numbers)")
     p.add_argument('--out', default='bench.json', help='the JSON file to write')
     p.add_argument('--mem_child', default=None, help=argparse.SUPPRESS)  # internal: row 2's child process
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.mem_child is not None:
-        job = json.loads(args.mem_child)
-        print(json.dumps(peak_step_memory(job['spec'], job['loss'])))
-        return None
+    for name in ('repeats', 'threads'):
+        if getattr(args, name) < 0:
+            die(f"--{name}={getattr(args, name)}: must be >= 0 (0 = the default)")
+    return args
 
-    if args.device == 'auto':
-        args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if args.device == 'cuda' and not torch.cuda.is_available():
-        sys.exit("error: --device=cuda but torch.cuda.is_available() is False; use --device=cpu")
-    device = torch.device(args.device)
-    if args.compile is None:
-        args.compile = device.type == 'cuda'
+
+def choose_device(name):
+    if name == 'auto':
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if name == 'cuda' and not torch.cuda.is_available():
+        die("--device=cuda but torch.cuda.is_available() is False; use --device=cpu")
+    return torch.device(name)
+
+
+def setup(args):
+    """The Run that args ask for; sets the clock and CUDA's matmul precision."""
     global CLOCK
+    device = choose_device(args.device)
     if args.timer == 'process':
         if device.type == 'cuda':
-            sys.exit("error: --timer=process measures CPU time: use --timer=wall on cuda")
+            die("--timer=process measures CPU time: use --timer=wall on cuda")
         CLOCK = time.process_time
-    size_name = ('gpu' if device.type == 'cuda' else 'cpu') if args.size == 'auto' else args.size
-    size = SIZES[size_name]
-    warmup, repeats = size['warmup'], args.repeats or size['repeats']
     if device.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(1337)
-    res = dict(machine=machine(device), size=size_name, repeats=repeats, warmup=warmup, timer=args.timer, rows={},
-               samples=SAMPLES)
-    m = res['machine']
-    print(f"bench: {m['device']}, " + (f"{m['gpu']}" if device.type == 'cuda' else f"{m['cpu']}, {m['cpu_threads']} threads")
-          + f", torch {m['torch']}, size {size_name}, {args.timer} clock, {repeats} repeats after {warmup} warm-up",
-          flush=True)
-    rows, t0, keep = res['rows'], time.perf_counter(), {}
+    if args.size == 'auto':
+        args.size = 'gpu' if device.type == 'cuda' else 'cpu'
+    size = SIZES[args.size]
+    compile_too = device.type == 'cuda' if args.compile is None else args.compile
+    repeats = args.repeats or size['repeats']
+    return Run(size, device, warmup=size['warmup'], repeats=repeats, compile=compile_too)
 
-    def untied():
-        rows['untied_vs_looped'], keep['looped'], keep['XY'] = row_untied(size, device, warmup, repeats)
 
-    def decode():
-        rows['kv_cache'], rows['adaptive_exit'] = row_decode(size, device, warmup, repeats)
+def write_json(res, path):
+    with open(path, 'w') as out:
+        json.dump(res, out, indent=1)
 
-    def compiled():
-        rows['compile'], keep['compiled_s'] = row_compile(keep['looped'], keep['XY'], size, device, warmup, repeats,
-                                                          args.compile)
-    steps = [
-        ('untied_vs_looped', untied),
-        ('peak_memory', lambda: rows.update(peak_memory=row_memory(size, device))),
-        ('step_time', lambda: rows.update(step_time=row_step_time(size, device, warmup, repeats))),
-        ('kv_cache', decode),
-        ('compile', compiled),
-        ('mfu', lambda: rows.update(mfu=row_mfu(keep['looped'], size, device, rows['untied_vs_looped'],
-                                                keep.get('compiled_s'), warmup, repeats))),
-    ]
-    for name, fn in steps:
+
+def measure_all(run, res, out_path):
+    """Every row in turn; the JSON is written after each, so an interrupted run keeps what it measured."""
+    t0 = time.perf_counter()
+    for name, measure in MEASUREMENTS:
         try:
-            fn()
+            res['rows'].update(measure(run))
         except Exception as e:  # one broken row should not cost the others: record it and go on
-            rows.setdefault(name, dict(error=f"{type(e).__name__}: {e}"[:500], met=False))
+            res['rows'].setdefault(name, dict(error=f"{type(e).__name__}: {e}"[:500], met=False))
         print(f"  {name} done ({time.perf_counter() - t0:.0f}s)", flush=True)
-        with open(args.out, 'w') as f:  # after every row, so an interrupted run keeps what it measured
-            json.dump(res, f, indent=1)
+        write_json(res, out_path)
     res['seconds'] = time.perf_counter() - t0
-    table = fmt_table(res)
-    res['table'] = table
-    print(table)
-    with open(args.out, 'w') as f:
-        json.dump(res, f, indent=1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.mem_child is not None:  # row 2's child process: one measurement, printed as JSON
+        job = json.loads(args.mem_child)
+        print(json.dumps(peak_step_memory(job['spec'], job['loss'])))
+        return None
+    run = setup(args)
+    torch.manual_seed(1337)
+    res = dict(machine=machine(run.device), size=args.size, repeats=run.repeats, warmup=run.warmup,
+               timer=args.timer, rows={}, samples=SAMPLES)
+    print(f"bench: {where(res['machine'])}, torch {torch.__version__}, size {args.size}, {args.timer} clock, "
+          f"{run.repeats} repeats after {run.warmup} warm-up", flush=True)
+    measure_all(run, res, args.out)
+    res['table'] = fmt_table(res)
+    print(res['table'])
+    write_json(res, args.out)
     print(f"wrote {args.out} ({res['seconds']:.0f}s)")
     return res
 

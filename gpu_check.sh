@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check of issue 5, in one call on one CUDA GPU; installs nothing, needs no network.
+# The GPU check, in one call on one CUDA GPU; installs nothing, needs no network.
 #   1. python bench.py --device=cuda (GPU sizes, bf16 autocast, torch.compile row included)
 #   2. a short training run of config/paper_44m.py (bf16, compile=True, SDPA flash attention): tokens/s, MFU
 #   3. a short training run of config/deeploop_small.py, the 124M-class preset (target: MFU >= 45%)
-# Both training runs read local data, since the GPU machine has no internet. Prepare it first, here:
-#   python prepare.py gutenberg --input ../shared/data/gutenberg --tokenizer gpt2    # data/gutenberg, ~12 MiB
-# then run, e.g.:  OUT=gpu_out bash gpu_check.sh
+# Both training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
+# that has the network (or pass --input path/to/input.txt), and bring data/ along:
+#   python prepare.py shakespeare     # tinyshakespeare in GPT-2 BPE: data/shakespeare, ~300k train tokens
+# or your own text:  python prepare.py gutenberg --input path/to/books --tokenizer gpt2  and  DATA=gutenberg.
+# The vocabulary comes from the data's meta.json (paper_44m: GPT-2's 50257; deeploop_small sets 50304).
+# Then run, e.g.:  OUT=gpu_out bash gpu_check.sh
 # Logs, bench_cuda.json and summary.txt go to $OUT. Each step has its own time limit so one slow step
 # cannot take the others' time; the whole script stays under ~9 minutes.
 set -uo pipefail
@@ -14,13 +17,13 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-DATA=${DATA:-gutenberg}
+DATA=${DATA:-shakespeare}
 
 {
   date -u '+%Y-%m-%d %H:%M UTC'
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), \
-'flash sdp', torch.backends.cuda.flash_sdp_enabled())"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.get_device_name(), 'flash sdp', torch.backends.cuda.flash_sdp_enabled())"
   nproc
 } 2>&1 | tee "$OUT/env.txt"
 

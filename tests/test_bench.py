@@ -1,10 +1,12 @@
 """
-bench.py at its tiny size: it runs end to end, writes one JSON with every row of issue 5's table, and its
-helpers (the peak-memory child process, the matmul ceiling) return sane numbers. Speed is bench.py's business,
-never a test's: nothing here asserts a timing or a ratio against its target.
+bench.py at its tiny size: it runs end to end, writes one JSON with every row of its table, and its helpers
+(the peak-memory child process, the matmul ceiling) return sane numbers. Speed is bench.py's business, never
+a test's: nothing here asserts a timing or a ratio against its target.
 """
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ ROWS = ('untied_vs_looped', 'peak_memory', 'step_time', 'kv_cache', 'adaptive_ex
 @pytest.fixture(scope='module')
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench') / 'bench.json'
-    res = bench.main(['--size=tiny', '--device=cpu', '--no-compile', '--threads=1', '--repeats=1', f'--out={out}'])
+    res = bench.main(['--size=tiny', '--device=cpu', '--no-compile', '--threads=1', '--repeats=1',
+                      f'--out={out}'])
     return res, out
 
 
@@ -30,7 +33,10 @@ def test_bench_writes_json_with_every_row(tiny_run):
         assert 'target' in saved['rows'][name]
     for key in ('cpu', 'cpu_threads', 'torch', 'date', 'device'):
         assert key in saved['machine']
+    for key in ('size', 'repeats', 'warmup', 'timer', 'samples', 'seconds'):
+        assert key in saved
     assert saved['table'].count('\n') >= 8  # header, column names, 7 rows (+ notes)
+    assert 'not measured' not in saved['table']
 
 
 def test_bench_ratios_are_finite_and_positive(tiny_run):
@@ -38,7 +44,8 @@ def test_bench_ratios_are_finite_and_positive(tiny_run):
     for name in ('untied_vs_looped', 'peak_memory', 'step_time', 'kv_cache', 'adaptive_exit'):
         assert math.isfinite(rows[name]['ratio']) and rows[name]['ratio'] > 0, name
     s = rows['step_time']
-    assert 0 < s['head_share'] and s['bound'] == pytest.approx(1 + (s['config']['n_loop'] - 1) * s['head_share'])
+    assert 0 < s['head_share']
+    assert s['bound'] == pytest.approx(1 + (s['config']['n_loop'] - 1) * s['head_share'])
     a = rows['adaptive_exit']
     assert 1 <= a['mean_loops'] <= a['fixed_loops']
     assert 0 < rows['mfu']['mfu_vs_matmul'] < 10
@@ -63,3 +70,15 @@ def test_peak_memory_child_sees_the_logits(tiny_run):
 def test_matmul_ceiling_is_plausible():
     flops = bench.matmul_ceiling(torch.device('cpu'), 128, warmup=1, repeats=3)
     assert 1e6 < flops < 1e14  # between a MFLOP/s and 100 TFLOP/s on any CPU
+
+
+@pytest.mark.parametrize('flag, says', [('--bogus', 'unrecognized arguments: --bogus'),
+                                        ('--repaets=2', 'did you mean --repeats?'),
+                                        ('--repeats=-1', '--repeats=-1: must be >= 0')])
+def test_a_bad_flag_is_one_error_line(repo_dir, flag, says):
+    out = subprocess.run([sys.executable, 'bench.py', flag], cwd=repo_dir, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert out.stderr.startswith('error: ') and says in out.stderr and 'Traceback' not in out.stderr
+    assert out.stdout == ''
