@@ -32,8 +32,8 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         if 'unrecognized arguments' in message:
-            flags = [o for a in self._actions for o in a.option_strings if o.startswith('--')]
-            bad = message.split(':', 1)[1].split()[0].split('=')[0]
-            near = difflib.get_close_matches(bad, flags, n=1)
-            message += f"; did you mean {near[0]}?" if near else ''
+            flags = [o[2:] for a in self._actions for o in a.option_strings if o.startswith('--')]
+            bad = message.split(':', 1)[1].split()[0].split('=')[0].lstrip('-')
+            near = difflib.get_close_matches(bad, flags, n=1)  # compared without the dashes they all share
+            message += f"; did you mean --{near[0]}?" if near else ''
         die(f"{message} (see python {self.prog} --help)")
