@@ -1,25 +1,49 @@
 """
-ablate.py: the sweep runner end to end on two 5-iteration arms, the DeepLoop report's escape rule, the unigram
-floor, and the paper-scale dry run.
+ablate.py: the sweep runner end to end on two 5-iteration arms (and its report when eval_depth.json holds
+null), the laptop presets as train.py resolves them, the DeepLoop report's escape rule, the unigram floor,
+the paper-scale dry run, and one-line errors.
 """
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import ablate
 
-TINY = dict(dataset='tiny_char', n_layer=1, n_loop=2, n_head=2, n_embd=16, block_size=16, batch_size=4,
-            max_iters=5, eval_interval=5, eval_iters=1, log_interval=1, device='cpu', compile=False)
+TINY = """\
+# a tiny laptop config for the tests: 5 iterations of a d-16 model on tiny_char
+dataset = 'tiny_char'
+n_layer = 1
+n_loop = 2
+n_head = 2
+n_embd = 16
+block_size = 16
+batch_size = 4
+max_iters = 5
+eval_interval = 5
+eval_iters = 1
+log_interval = 1
+device = 'cpu'
+"""
 
 
-def test_sweep_runs_two_arms_end_to_end(tiny_data, tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def tiny_config(tmp_path):
+    """tiny.py in tmp_path (the tests' working directory), as a preset's laptop config."""
+    (tmp_path / 'tiny.py').write_text(TINY, encoding='utf-8')
+    return 'tiny.py'
+
+
+def test_sweep_runs_two_arms_end_to_end(tiny_data, tiny_config, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # train.py and eval_depth.py read data/<dataset> from the working directory
     monkeypatch.setitem(ablate.PRESETS, 'tiny', dict(
-        title='tiny', laptop=TINY, seeds=(7,), eval_depth=True, report='blindspot',
-        arms=[ablate.arm('loop_rmsnorm', 'config/loop_rmsnorm.py'), ablate.arm('loop_raw', 'config/loop_raw.py')]))
+        title='tiny', laptop=tiny_config, seeds=(7,), eval_depth=True, report='blindspot',
+        arms=[ablate.arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
+              ablate.arm('loop_raw', 'config/loop_raw.py')]))
     argv = ['tiny', '--out', 'runs', '--report_dir', 'rep', '--workers=2',
             '--eval_args=--n_seqs=8 --batch_size=4 --timing_repeats=1 --n_grad_seqs=4']
     ablate.main(argv)
@@ -30,6 +54,7 @@ def test_sweep_runs_two_arms_end_to_end(tiny_data, tmp_path, monkeypatch, capsys
         assert rows[-1]['iter'] == 5 and len(rows[-1]['norm']) == 2
         cfg = json.loads((tmp_path / 'runs' / name / 'eval_depth.json').read_text())['model_args']
         assert cfg['readout'] == name.split('_')[1].split('-')[0]  # the arm's config file was applied
+        assert cfg['n_embd'] == 16  # on top of the laptop config
     md = (tmp_path / 'rep' / 'tiny.md').read_text()
     assert '| loop_rmsnorm | 1 | 5 |' in md and '| loop_raw | 1 | 5 |' in md
     assert 'radial grad.' in md and 'n/a' not in md
@@ -43,22 +68,53 @@ def test_sweep_runs_two_arms_end_to_end(tiny_data, tmp_path, monkeypatch, capsys
     ablate.main(argv)
     assert 'train done, iter 5' in capsys.readouterr().out
     assert (tmp_path / 'rep' / 'tiny.md').read_text().split('Wall time')[0] == md.split('Wall time')[0]
+    # eval_depth.py writes null for inf/nan (a threshold of +inf: never exit early): the report still builds
+    path = tmp_path / 'runs' / 'loop_raw-s7' / 'eval_depth.json'
+    depth = json.loads(path.read_text())
+    depth['calibrated']['margin']['threshold'] = depth['throughput']['threshold'] = None
+    depth['fixed']['ppl'][0] = depth['dppl_1_to_R'] = None
+    path.write_text(json.dumps(depth))
+    ablate.main(argv + ['--report_only'])
+    md = (tmp_path / 'rep' / 'tiny.md').read_text()
+    assert '| loop_raw | 1 | 5 |' in md
+    assert json.loads((tmp_path / 'rep' / 'tiny.json').read_text())['loop_raw'][0]['depth']['calibrated'][
+        'margin']['threshold'] is None
+
+
+def test_laptop_presets_resolve_to_their_sizes(repo_dir, monkeypatch):
+    monkeypatch.chdir(repo_dir)
+    args = ablate.parse_args(['blindspot', '--only=loop_raw_gpt2', '--dry_run'])
+    blindspot = ablate.plan(args, ablate.PRESETS['blindspot'])
+    args = ablate.parse_args(['deeploop', '--only=sandwich_p0.5-R8-lr0.003', '--seeds=3'])
+    deeploop = ablate.plan(args, ablate.PRESETS['deeploop'])
+    assert blindspot[0]['args'][:2] == ['config/laptop_blindspot.py', 'config/loop_raw.py']
+    ablate.resolve(blindspot + deeploop)
+
+    def picked(cfg, keys):
+        return [cfg[k] for k in keys.split()]
+    cfg = blindspot[0]['cfg']
+    assert picked(cfg, 'n_embd n_layer n_loop batch_size max_iters') == [128, 2, 4, 16, 600]
+    assert picked(cfg, 'learning_rate beta2 device readout') == [3e-4, 0.999, 'cpu', 'raw']
+    assert picked(cfg, 'init seed') == ['gpt2', 1337]  # the arm's override and the preset's seed
+    cfg = deeploop[0]['cfg']
+    assert picked(cfg, 'block depth_scaling n_loop learning_rate') == ['sandwich', 'deeploop', 8, 3e-3]
+    assert picked(cfg, 'pos mlp supervision batch_size seed') == ['rope', 'gelu', 'terminal', 8, 3]
 
 
 def write_run(d, val_losses, status='done'):
     os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, 'metrics.jsonl'), 'w') as f:
+    with open(os.path.join(d, 'metrics.jsonl'), 'w') as fh:
         for i, v in enumerate(val_losses):
-            f.write(json.dumps(dict(iter=10 * i, val_loss=v, val_ce=[v], norm=[1.0])) + '\n')
-    with open(os.path.join(d, 'status.json'), 'w') as f:
-        json.dump(dict(train=status), f)
+            fh.write(json.dumps(dict(iter=10 * i, val_loss=v, val_ce=[v], norm=[1.0])) + '\n')
+    with open(os.path.join(d, 'status.json'), 'w') as fh:
+        json.dump(dict(train=status), fh)
 
 
-def test_deeploop_report_counts_runs_below_the_unigram_floor(tiny_data, tmp_path, monkeypatch):
+def test_deeploop_report_counts_runs_below_the_unigram_floor(tiny_data, tiny_config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'{v}-R2', n_loop=2, tags=dict(variant=v, R=2, lr=1e-3)) for v in ('good', 'stuck')]
-    monkeypatch.setitem(ablate.PRESETS, 'tinyloop', dict(title='t', laptop=TINY, seeds=(1,), eval_depth=False,
-                                                         report='deeploop', arms=arms))
+    monkeypatch.setitem(ablate.PRESETS, 'tinyloop', dict(title='t', laptop=tiny_config, seeds=(1,),
+                                                         eval_depth=False, report='deeploop', arms=arms))
     floor = ablate.unigram_floor(str(tiny_data))
     write_run('runs/good-R2-s1', [4.0, floor - 1.0])
     write_run('runs/stuck-R2-s1', [4.0, floor])
@@ -84,8 +140,13 @@ def test_paper_scale_dry_run_composes_the_base_config(repo_dir, monkeypatch, cap
                  '--launcher', 'torchrun --standalone --nproc_per_node=8'])
     out = capsys.readouterr().out
     assert 'torchrun --standalone --nproc_per_node=8 train.py config/paper_44m.py' in out
-    assert 'loop_raw.py' in out and '--n_embd' not in out  # the laptop sizes do not apply over a base
+    assert 'loop_raw.py' in out and 'laptop' not in out  # the laptop config does not apply over a base
     assert 'GPU-hours' in out
+
+
+def test_fmt_spells_out_missing_and_infinite_values():
+    assert ablate.fmt(None) == 'n/a' and ablate.fmt(math.inf, '.2f') == 'inf'
+    assert ablate.vec([1.0, None], '.1f') == '1.0 / n/a' and ablate.mean([None, 1.0, 3.0]) == 2.0
 
 
 def test_unknown_arm_dies_with_one_line(capsys):
@@ -93,3 +154,19 @@ def test_unknown_arm_dies_with_one_line(capsys):
         ablate.main(['blindspot', '--only=loop_softmax', '--dry_run'])
     err = capsys.readouterr().err
     assert err.startswith('error: --only loop_softmax: not an arm') and err.count('\n') == 1
+
+
+def test_bad_set_key_dies_with_train_pys_one_line(repo_dir, monkeypatch, capsys):
+    monkeypatch.chdir(repo_dir)
+    with pytest.raises(SystemExit):
+        ablate.main(['blindspot', '--only=loop_raw', '--set', 'n_lopp=8', '--dry_run'])
+    err = capsys.readouterr().err
+    assert err.startswith('error: loop_raw-s1337: train.py ') and err.count('\n') == 1
+    assert "unknown config key 'n_lopp'; did you mean n_loop?" in err
+
+
+def test_bad_flag_prints_one_error_line(repo_dir):
+    proc = subprocess.run([sys.executable, 'ablate.py', 'blindspot', '--bogus'], cwd=repo_dir,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == ''
+    assert proc.stderr.startswith('error: unrecognized arguments: --bogus') and proc.stderr.count('\n') == 1
