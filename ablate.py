@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+import configurator
 from configurator import gpt_config, model_keys
 from errors import Parser, die
 from model import GPT, GPTConfig
@@ -124,24 +125,22 @@ def plan(args, preset):
     return jobs
 
 
-def train_print_config(train_args):
-    cmd = [sys.executable, os.path.join(REPO, 'train.py')] + train_args + ['--print_config=True']
-    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+def train_defaults():
+    """train.py's defaults, every key: what `python train.py --print_config=True` prints with no overrides."""
+    cmd = [sys.executable, os.path.join(REPO, 'train.py'), '--print_config=True']
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    if proc.returncode != 0:
+        die(f"train.py --print_config=True failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(proc.stdout)
 
 
 def resolve(jobs):
-    """Set job['cfg'] to the config train.py resolves from job['args'], or die with train.py's error line.
-    Each call is a Python process that imports torch (~1.5 s), so a few run at once."""
-    t0 = time.time()
-    with ThreadPoolExecutor(len(cpu_cores())) as pool:
-        for job, proc in zip(jobs, pool.map(train_print_config, [j['args'] for j in jobs])):
-            if proc.returncode != 0:
-                pool.shutdown(cancel_futures=True)  # no need to wait for the jobs not started
-                error = (proc.stderr.strip().splitlines() or [f'exit code {proc.returncode}'])[-1]
-                die(f"{job['name']}: train.py {shlex.join(job['args'])}: {error.removeprefix('error: ')}")
-            job['cfg'] = json.loads(proc.stdout)
-    print(f"resolved {len(jobs)} run config(s) with train.py --print_config in {time.time() - t0:.1f}s",
-          flush=True)
+    """Set job['cfg'] to the config train.py resolves from job['args']: its defaults (asked of train.py once),
+    then the same configurator that train.py applies to its command line."""
+    defaults = train_defaults()
+    for job in jobs:
+        job['cfg'] = configurator.configure(defaults, job['args'])[0]
+        configurator.check(job['cfg'])  # a bad value dies here, as it would in train.py
 
 # -----------------------------------------------------------------------------
 # running
