@@ -122,7 +122,7 @@ def configure(defaults, argv):
             updates, where = read_config_file(arg, config), f"{arg}: "
         for key, value in updates.items():
             if key not in defaults:
-                unknown_key(key, defaults, where)
+                unknown_key(key, defaults, '' if where == '--' else where)
             config[key] = coerce(key, value, defaults[key], where)
             explicit.add(key)
     return config, explicit

@@ -156,13 +156,12 @@ def test_unknown_arm_dies_with_one_line(capsys):
     assert err.startswith('error: --only loop_softmax: not an arm') and err.count('\n') == 1
 
 
-def test_bad_set_key_dies_with_train_pys_one_line(repo_dir, monkeypatch, capsys):
+def test_bad_set_key_dies_with_the_configurators_one_line(repo_dir, monkeypatch, capsys):
     monkeypatch.chdir(repo_dir)
     with pytest.raises(SystemExit):
         ablate.main(['blindspot', '--only=loop_raw', '--set', 'n_lopp=8', '--dry_run'])
     err = capsys.readouterr().err
-    assert err.startswith('error: loop_raw-s1337: train.py ') and err.count('\n') == 1
-    assert "unknown config key 'n_lopp'; did you mean n_loop?" in err
+    assert err == "error: unknown config key 'n_lopp'; did you mean n_loop?\n"
 
 
 def test_bad_flag_prints_one_error_line(repo_dir):
