@@ -1,0 +1,75 @@
+"""
+The project as a user receives it: a clone that stands alone, one recurrence, a README whose commands are
+the ones CI runs, and code a reader can take in one line at a time.
+"""
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tracked(*patterns):
+    out = subprocess.run(['git', 'ls-files', *patterns], cwd=REPO, capture_output=True, text=True)
+    files = [REPO / f for f in out.stdout.split()] if out.returncode == 0 else []
+    return files or [p for pat in patterns for p in REPO.glob(pat) if '.git' not in p.parts]
+
+
+def python_files(include_tests=True):
+    return [p for p in tracked('*.py') if include_tests or p.parts[len(REPO.parts)] != 'tests']
+
+
+def test_the_recurrence_is_written_once():
+    # a `for` over loops whose body runs a `for` over the shared blocks (transformer.h) is the recurrence;
+    # training, decoding, early exit and every diagnostic must reach it through GPT.loops
+    found = []
+    for path in python_files(include_tests=False):
+        for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+            if isinstance(node, ast.For):
+                inner = [n for n in ast.walk(node) if isinstance(n, ast.For) and n is not node]
+                if any('transformer.h' in ast.unparse(n.iter) for n in inner):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert len(found) == 1 and found[0].startswith('model.py'), found
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    readme = (REPO / 'README.md').read_text(encoding='utf-8')
+    quick = readme.split('## Quick start', 1)[1].split('```sh', 1)[1].split('```', 1)[0]
+    commands = [line for line in quick.splitlines() if line and not line.startswith('#')]
+    assert len(commands) == 2, commands
+    assert commands[0].startswith('pip install torch==2.13.0') and commands[0].endswith('python train.py')
+    assert commands[1].endswith('python -m pytest -q tests')
+    ci = (REPO / '.ci' / 'run').read_text(encoding='utf-8').splitlines()
+    assert commands[1] in ci  # verbatim
+
+
+def test_nothing_outside_ci_and_tests_depends_on_a_sibling_folder():
+    for path in tracked('*.py', '*.md', '*.sh', '*.txt', 'config/*'):
+        if path.parts[len(REPO.parts)] in ('tests', '.ci'):
+            continue
+        assert '../shared' not in path.read_text(encoding='utf-8'), path
+
+
+def test_every_cited_file_and_section_exists():
+    sections = set(re.findall(r'^## (§\d+)', (REPO / 'docs' / 'papers.md').read_text(encoding='utf-8'), re.M))
+    for path in tracked('*.py', '*.md', '*.sh', 'config/*'):
+        text = path.read_text(encoding='utf-8')
+        for ref in re.findall(r'\b((?:docs|assets|config|tests)/[\w./-]+\.(?:md|png|json|py))', text):
+            assert (REPO / ref).exists(), f"{path.name} cites {ref}"
+        for section in re.findall(r'docs/papers\.md,? (§\d+)', text):
+            assert section in sections, f"{path.name} cites docs/papers.md {section}"
+        assert not re.search(r'(?<![/\w])papers\.md', text.replace('docs/papers.md', '')), \
+            f"{path.name} cites papers.md without its folder"
+
+
+def test_the_project_speaks_only_of_itself():
+    words = re.compile(r'\b(issue|issues) \d+\b|\bthis session\b|\bin this session\b', re.I)
+    for path in tracked('*.py', '*.md', '*.sh', 'config/*'):
+        assert not words.search(path.read_text(encoding='utf-8')), path
+
+
+def test_python_lines_stay_under_110_characters():
+    long = [f"{p.relative_to(REPO)}:{i}" for p in python_files()
+            for i, line in enumerate(p.read_text(encoding='utf-8').splitlines(), 1) if len(line) > 110]
+    assert not long, long
