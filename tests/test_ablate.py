@@ -19,7 +19,8 @@ def test_sweep_runs_two_arms_end_to_end(tiny_data, tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)  # train.py and eval_depth.py read data/<dataset> from the working directory
     monkeypatch.setitem(ablate.PRESETS, 'tiny', dict(
         title='tiny', laptop=TINY, seeds=(7,), eval_depth=True, report='blindspot',
-        arms=[ablate.arm('loop_rmsnorm', 'config/loop_rmsnorm.py'), ablate.arm('loop_raw', 'config/loop_raw.py')]))
+        arms=[ablate.arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
+              ablate.arm('loop_raw', 'config/loop_raw.py')]))
     argv = ['tiny', '--out', 'runs', '--report_dir', 'rep', '--workers=2',
             '--eval_args=--n_seqs=8 --batch_size=4 --timing_repeats=1 --n_grad_seqs=4']
     ablate.main(argv)
