@@ -3,9 +3,10 @@ Shared test set-up: the repo on sys.path, tiktoken's offline GPT-2 files, and sm
 
 Fixtures
   repo_dir    the repository root
-  shared_dir  ../shared beside the repo (offline data); tests that need it skip, with the reason, where it is absent
-  tiny_data   a small char-level dataset written by prepare.py: tmp_path/data/tiny_char/{train,val}.bin, meta.json
-              (returns that folder: .parent is the data root, .name the dataset name)
+  shared_dir  ../shared beside the repo (offline data); tests that need it skip, with the reason, where it
+              is absent
+  tiny_data   a small char-level dataset written by prepare.py: tmp_path/data/tiny_char/{train,val}.bin,
+              meta.json (returns that folder: .parent is the data root, .name the dataset name)
   tiny_ckpt   a checkpoint in the SPEC format for a tiny looped GPT on tiny_data: tmp_path/out/ckpt.pt
               (returns the out folder)
 """
@@ -47,8 +48,8 @@ def tiny_text(n_chars=20_000, seed=0):
     rng = random.Random(seed)
     out, n = [], 0
     while n < n_chars:
-        lines = [' '.join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize() + rng.choice('.,;!?')
-                 for _ in range(rng.randint(1, 4))]
+        lines = [' '.join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize()
+                 + rng.choice('.,;!?') for _ in range(rng.randint(1, 4))]
         block = f"{rng.choice(SPEAKERS)}:\n" + '\n'.join(lines) + '\n\n'
         out.append(block)
         n += len(block)
@@ -74,9 +75,9 @@ def save_tiny_checkpoint(path, vocab_size, dataset='tiny_char', seed=0, meta=Non
     cfg.update(overrides)
     model = GPT(GPTConfig(**cfg))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = {'model': model.state_dict(), 'model_args': asdict(model.config), 'optimizer': optimizer.state_dict(),
-            'scaler': None, 'iter_num': 0, 'best_val_loss': float('inf'), 'config': {'dataset': dataset},
-            'dataset': dataset, 'rng': {}, 'data_rng': {}, 'world_size': 1}
+    ckpt = {'model': model.state_dict(), 'model_args': asdict(model.config),
+            'optimizer': optimizer.state_dict(), 'scaler': None, 'iter_num': 0, 'best_val_loss': float('inf'),
+            'config': {'dataset': dataset}, 'dataset': dataset, 'rng': {}, 'data_rng': {}, 'world_size': 1}
     if meta is not None:
         ckpt['meta'] = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -88,5 +89,6 @@ def save_tiny_checkpoint(path, vocab_size, dataset='tiny_char', seed=0, meta=Non
 def tiny_ckpt(tmp_path, tiny_data):
     import json
     meta = json.loads((tiny_data / 'meta.json').read_text(encoding='utf-8'))
-    save_tiny_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'), meta['vocab_size'], dataset=tiny_data.name, meta=meta)
+    save_tiny_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'), meta['vocab_size'], dataset=tiny_data.name,
+                         meta=meta)
     return tmp_path / 'out'

@@ -4,6 +4,7 @@ eval_depth.py: every diagnostic on a tiny model with a known answer (papers.md Â
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +28,8 @@ def test_radial_clamp_is_a_noop_on_a_purely_tangential_update():
     torch.manual_seed(0)
     h_prev = torch.randn(2, 5, 8) * 7
     delta = torch.randn(2, 5, 8)
-    delta -= (delta * h_prev).sum(-1, keepdim=True) / h_prev.pow(2).sum(-1, keepdim=True) * h_prev  # orthogonal
+    # make the update orthogonal to h_prev
+    delta -= (delta * h_prev).sum(-1, keepdim=True) / h_prev.pow(2).sum(-1, keepdim=True) * h_prev
     h_new = h_prev + delta
     assert torch.allclose(ed.remove_radial(h_new, h_prev), h_new, atol=1e-5)
     # a purely radial update (the state only grows) is removed entirely
@@ -42,6 +44,45 @@ def test_freeze_clamp_rescales_every_loop_to_loop_one_rms():
     rms = lambda h: h.pow(2).mean(-1).sqrt()
     for h in hs[1:]:
         assert torch.allclose(rms(h), rms(hs[0]), rtol=1e-4)
+
+
+def blocks(model, x):
+    for block in model.transformer.h:
+        x = block(x)
+    return x
+
+
+@pytest.mark.parametrize('loop_norm', ['none', 'rmsnorm'])
+def test_freeze_clamped_state_is_what_enters_the_next_loop(loop_norm):
+    # h_1 = loop 1; h_k = rescale(loop(ln_loop(h_{k-1})), to h_1's per-token RMS)
+    model = tiny(n_loop=4, inter_loop_norm=loop_norm)
+    X, _ = batch()
+    rms = lambda h: h.pow(2).mean(-1, keepdim=True).sqrt()
+    with torch.no_grad():
+        hs = [blocks(model, model.embed(X))]
+        for _ in range(3):
+            h = blocks(model, model.transformer.ln_loop(hs[-1]))
+            hs.append(h * rms(hs[0]) / rms(h))
+        for k, (a, b) in enumerate(zip(ed.run_loops(model, X, clamp='freeze'), hs), start=1):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), k
+
+
+@pytest.mark.parametrize('loop_norm', ['none', 'rmsnorm'])
+def test_radial_clamp_removes_the_radial_update_and_feeds_the_clamped_state_forward(loop_norm):
+    # x_k = ln_loop(h_{k-1}) enters loop k; h_k = loop(x_k) minus the update's component along x_k
+    model = tiny(n_loop=4, inter_loop_norm=loop_norm)
+    X, _ = batch()
+    with torch.no_grad():
+        hs = [blocks(model, model.embed(X))]
+        for _ in range(3):
+            x = model.transformer.ln_loop(hs[-1])
+            delta = blocks(model, x) - x
+            hs.append(x + delta - (delta * x).sum(-1, keepdim=True) / x.pow(2).sum(-1, keepdim=True) * x)
+        clamped = ed.run_loops(model, X, clamp='radial')
+        for k, (a, b) in enumerate(zip(clamped, hs), start=1):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), k
+        # the clamp is not a no-op here: the unclamped loop grows radially
+        assert not torch.allclose(clamped[-1], ed.run_loops(model, X)[-1], atol=1e-2)
 
 
 @pytest.mark.parametrize('kw', [dict(), dict(inter_loop_norm='rmsnorm'), dict(pos='rope', readout='raw'),
@@ -124,9 +165,22 @@ def test_confidence_policies_known_values():
     assert 0.9 < ed.confidence(peaked, 'entropy').item() <= 1.0
 
 
+def test_val_windows_targets_are_the_inputs_shifted_by_one_token(tmp_path):
+    # distinct token ids, in no order: each window is located in val.bin by its first token
+    val = np.random.default_rng(0).permutation(1000)[:200].astype(np.uint16)
+    val.tofile(tmp_path / 'val.bin')
+    X, Y = ed.val_windows(str(tmp_path), {'dtype': 'uint16'}, T=16, n_seqs=7)
+    assert X.shape == Y.shape == (7, 16) and X.dtype == Y.dtype == torch.long
+    assert torch.equal(Y[:, :-1], X[:, 1:])
+    starts = [int(np.flatnonzero(val == x0)[0]) for x0 in X[:, 0].tolist()]
+    assert starts[0] == 0 and starts[-1] == len(val) - 17  # spread over the whole split
+    for s, x, y in zip(starts, X, Y):
+        assert x.tolist() == val[s:s + 16].tolist() and y.tolist() == val[s + 1:s + 17].tolist()
+
+
 def test_cli_writes_table_and_json(tiny_ckpt, tiny_data, capsys):
-    ed.main([str(tiny_ckpt), '--data_dir', str(tiny_data), '--n_seqs=12', '--batch_size=4', '--timing_repeats=1',
-             '--n_grad_seqs=4'])
+    ed.main([str(tiny_ckpt), '--data_dir', str(tiny_data), '--n_seqs=12', '--batch_size=4',
+             '--timing_repeats=1', '--n_grad_seqs=4'])
     out = capsys.readouterr().out
     assert 'fixed depth' in out and 'calibrated halting' in out and 'radial gradient fraction' in out
     res = json.loads((tiny_ckpt / 'eval_depth.json').read_text())

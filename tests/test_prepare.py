@@ -1,4 +1,5 @@
-"""prepare.py: every loading path on real local text, the uint32 path, and Hugging Face via a fake `datasets`."""
+"""prepare.py: every loading path on real local text, the uint32 path, and Hugging Face via a fake
+`datasets`."""
 import json
 import os
 import shutil
@@ -51,7 +52,8 @@ def test_shakespeare_gpt2_token_counts(shared_dir, tmp_path):
     assert (len(train), len(val)) == (301_966, 36_059)                 # nanoGPT's data/shakespeare numbers
     encode, decode = get_tokenizer(meta)
     text = (shared_dir / 'data' / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')
-    assert len(encode(text)) == 338_025                                # the whole file (shared/data/README.md)
+    # the whole file (shared/data/README.md)
+    assert len(encode(text)) == 338_025
     assert decode(train.tolist()) + decode(val.tolist()) == text
 
 
@@ -83,7 +85,8 @@ def test_gutenberg_folder_is_sorted_joined_and_crlf_free(shared_dir, tmp_path):
     text = decode(train.tolist()) + decode(val.tolist())
     assert '\r' not in text
     assert text.startswith('Apology')                                  # pg1656 sorts before pg1974
-    meta_c, train_c, val_c = load_prepared('gutenberg2_char', tmp_path, input_path=str(books), tokenizer='char')
+    meta_c, train_c, val_c = load_prepared('gutenberg2_char', tmp_path, input_path=str(books),
+                                           tokenizer='char')
     assert len(train_c) + len(val_c) == len(text) and '\r' not in meta_c['itos']
 
 
@@ -171,7 +174,8 @@ def test_wikitext103_joins_lines_of_each_hf_split(shared_dir, tmp_path, monkeypa
     assert [c[0] for c in calls] == [('Salesforce/wikitext', 'wikitext-103-raw-v1')] * 2
     assert [c[1]['split'] for c in calls] == ['train', 'validation']
     _, decode = get_tokenizer(meta)
-    assert decode(train.tolist()) == ''.join(WIKI['train']) and decode(val.tolist()) == ''.join(WIKI['validation'])
+    assert decode(train.tolist()) == ''.join(WIKI['train'])
+    assert decode(val.tolist()) == ''.join(WIKI['validation'])
     assert meta['tokenizer'] == 'gpt2' and meta['train_tokens'] == len(train)
 
 
@@ -187,14 +191,17 @@ def test_fineweb_edu_streams_documents_with_eot_and_num_docs(shared_dir, tmp_pat
     assert (train == eot).sum() == 45 and (val == eot).sum() == 5      # every 10th document is held out
     _, decode = get_tokenizer(meta)
     docs = decode(val.tolist()).split('<|endoftext|>')
-    assert docs[:2] == ['Document number 9 is about photosynthesis.', 'Document number 19 is about photosynthesis.']
+    assert docs[:2] == ['Document number 9 is about photosynthesis.',
+                        'Document number 19 is about photosynthesis.']
 
 
-def test_a_failed_rerun_leaves_no_meta_json_vouching_for_other_files(shared_dir, tmp_path, monkeypatch, capsys):
+def test_a_failed_rerun_leaves_no_meta_json_vouching_for_other_files(shared_dir, tmp_path, monkeypatch,
+                                                                     capsys):
     fake_datasets(monkeypatch, lambda *a, **k: iter([{'text': 'one'}, {'text': 'two'}]))
     (tmp_path / 'data' / 'fineweb_edu').mkdir(parents=True)
     (tmp_path / 'data' / 'fineweb_edu' / 'meta.json').write_text('{"from": "an earlier run"}')
-    with pytest.raises(SystemExit) as e:                                # 2 documents: val (every 10th) is empty
+    # 2 documents: val (every 10th) is empty
+    with pytest.raises(SystemExit) as e:
         prepare.prepare('fineweb_edu', out_dir=str(tmp_path / 'data'), num_docs=2)
     last = capsys.readouterr().err.splitlines()[-1]                     # after tqdm's progress bar
     assert last.startswith('error: ') and 'val split is empty' in last
@@ -210,7 +217,8 @@ def test_missing_datasets_package_is_one_line_error(tmp_path, monkeypatch, capsy
 
 def test_hub_failure_is_one_line_error(shared_dir, tmp_path, monkeypatch, capsys):
     def offline(*a, **k):
-        raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub (LocalEntryNotFoundError)\nmore")
+        raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub "
+                              "(LocalEntryNotFoundError)\nmore")
     fake_datasets(monkeypatch, offline)
     with pytest.raises(SystemExit) as e:
         prepare.prepare('wikitext103', out_dir=str(tmp_path / 'data'))

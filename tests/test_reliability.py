@@ -5,6 +5,7 @@ Each test pins one guarantee of the README's "Reliability" section and fails wit
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics, train_defaults
+from test_train import (REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics,
+                        train_defaults)
 
 import common
 import configurator
@@ -64,7 +66,8 @@ def test_resume_is_bit_exact_2n_equals_n_plus_n(tmp_path):
     for r in (a, b1, b2):
         assert r.returncode == 0, r.stderr
     drop_time = lambda rows: [{k: v for k, v in r.items() if k != 'time'} for r in rows]
-    rows_a, rows_b = read_metrics(tmp_path / 'a' / 'metrics.jsonl'), read_metrics(tmp_path / 'b' / 'metrics.jsonl')
+    rows_a = read_metrics(tmp_path / 'a' / 'metrics.jsonl')
+    rows_b = read_metrics(tmp_path / 'b' / 'metrics.jsonl')
     assert [r['iter'] for r in rows_a] == list(range(7))
     assert drop_time(rows_a) == drop_time(rows_b)  # every exit's CE and every loop norm, bit for bit
     losses = lambda out: [line.split(', time')[0] for line in out.splitlines() if line.startswith('iter ')]
@@ -77,20 +80,38 @@ def test_resume_is_bit_exact_2n_equals_n_plus_n(tmp_path):
 
 def test_resume_with_architecture_change_names_every_differing_key(run_dir):
     before = snapshot(run_dir / 'out' / 'ckpt.pt')
-    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--n_embd=32', '--readout=raw'], run_dir)
+    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--n_embd=32', '--readout=raw'],
+                               run_dir)
     assert_clean_error(code, err, 'n_embd=32', 'readout=', 'architecture')
     assert snapshot(run_dir / 'out' / 'ckpt.pt') == before
 
 
 def test_resume_takes_the_checkpoint_config_and_prints_schedule_changes(run_dir):
     # no size flags: the architecture comes from the checkpoint, not from train.py's defaults
-    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=3', '--learning_rate=5e-4'],
-                               run_dir)
+    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=3',
+                                '--learning_rate=5e-4'], run_dir)
     assert code == 0, err
     assert 'learning_rate 0.001 -> 0.0005' in out and 'max_iters 2 -> 3' in out
     ckpt = torch.load(run_dir / 'out' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 3 and ckpt['model_args']['n_embd'] == 16
     assert ckpt['optimizer']['param_groups'][0]['lr'] == 5e-4
+
+
+def test_resume_uses_this_runs_weight_decay_and_betas_not_the_checkpoints(run_dir):
+    # the AdamW moments come from the checkpoint, the hyperparameters from this command
+    shutil.copytree(run_dir / 'out', run_dir / 'same')
+    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=3', '--weight_decay=0.5',
+                                '--beta2=0.9'], run_dir)
+    assert code == 0, err
+    assert 'weight_decay 0.01 -> 0.5' in out and 'beta2 0.99 -> 0.9' in out
+    decay, no_decay = torch.load(run_dir / 'out' / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
+    assert decay['weight_decay'] == 0.5 and no_decay['weight_decay'] == 0.0  # gains and biases never decay
+    assert tuple(decay['betas']) == tuple(no_decay['betas']) == (0.9, 0.9)
+    # ...and they are the ones that stepped: the same resume without the changes ends elsewhere
+    code, out, err = run_train(['--init_from=resume', '--out_dir=same', '--max_iters=3'], run_dir)
+    assert code == 0, err
+    changed, same = (torch.load(run_dir / d / 'ckpt.pt', weights_only=True)['model'] for d in ('out', 'same'))
+    assert not model_tensors_equal(changed, same)
 
 
 def test_checkpoints_load_whether_or_not_compiled_or_ddp_wrapped(run_dir):
@@ -103,8 +124,8 @@ def test_checkpoints_load_whether_or_not_compiled_or_ddp_wrapped(run_dir):
         ckpt['model'] = {prefix + k: v for k, v in model.state_dict().items()}
         torch.save(ckpt, run_dir / 'out' / 'ckpt.pt')
         assert model_tensors_equal(common.build_model(ckpt).state_dict(), model.state_dict())
-        code, out, err = run_train(['--init_from=resume', '--out_dir=out', f'--max_iters={ckpt["iter_num"] + 1}'],
-                                   run_dir)
+        code, out, err = run_train(['--init_from=resume', '--out_dir=out',
+                                    f'--max_iters={ckpt["iter_num"] + 1}'], run_dir)
         assert code == 0, err
 
 # -----------------------------------------------------------------------------
@@ -133,9 +154,9 @@ def files(folder):
 
 
 def test_kill_9_during_saves_leaves_a_checkpoint_that_loads_and_resumes(tmp_path):
-    # a 2M-parameter model (~25 MB checkpoints with the AdamW moments) saved every iteration. Each trial resumes
-    # from what the last kill left, watches out/ and sends SIGKILL a random 0-40 ms after a save starts touching
-    # the disk, i.e. in the middle of writing the checkpoint, fsyncing it or renaming it.
+    # a 2M-parameter model (~25 MB checkpoints with the AdamW moments) saved every iteration. Each trial
+    # resumes from what the last kill left, watches out/ and sends SIGKILL a random 0-40 ms after a save
+    # starts touching the disk, i.e. in the middle of writing the checkpoint, fsyncing it or renaming it.
     write_data(tmp_path)
     args = ['--n_layer=2', '--n_loop=2', '--n_head=4', '--n_embd=256', '--block_size=16', '--batch_size=2',
             '--eval_iters=1', '--eval_interval=1', '--log_interval=1000', '--device=cpu', '--dataset=tiny',
@@ -144,8 +165,8 @@ def test_kill_9_during_saves_leaves_a_checkpoint_that_loads_and_resumes(tmp_path
     assert r.returncode == 0, r.stderr
     ckpt, rng, iters = tmp_path / 'out' / 'ckpt.pt', random.Random(0), []
     for trial in range(3):
-        p = subprocess.Popen([sys.executable, TRAIN, *args, '--init_from=resume', '--max_iters=100000'], cwd=tmp_path,
-                             env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        p = subprocess.Popen([sys.executable, TRAIN, *args, '--init_from=resume', '--max_iters=100000'],
+                             cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             before, deadline = files(tmp_path / 'out'), time.time() + 60
             while files(tmp_path / 'out') == before:  # poll until this process starts a save
@@ -192,7 +213,8 @@ def poison_loops(monkeypatch, bad_call):
 def test_nonfinite_loss_skips_the_update_names_the_exits_and_training_recovers(tmp_path, monkeypatch):
     write_data(tmp_path)
     poison_loops(monkeypatch, lambda n: n == 4)  # iteration 3 (one micro-batch per iteration)
-    code, out, err = run_train([*TINY, '--n_loop=3', '--max_iters=8', '--eval_interval=4', '--out_dir=out'], tmp_path)
+    code, out, err = run_train([*TINY, '--n_loop=3', '--max_iters=8', '--eval_interval=4', '--out_dir=out'],
+                               tmp_path)
     assert code == 0, err
     bad = [line for line in out.splitlines() if 'non-finite' in line]
     assert len(bad) == 1 and bad[0].startswith('iter 3:'), out
@@ -207,8 +229,8 @@ def test_nonfinite_loss_skips_the_update_names_the_exits_and_training_recovers(t
 def test_consecutive_nonfinite_steps_stop_the_run_with_one_line(tmp_path, monkeypatch):
     write_data(tmp_path)
     poison_loops(monkeypatch, lambda n: n >= 4)
-    code, out, err = run_train([*TINY, '--max_iters=50', '--eval_interval=2', '--max_bad_steps=3', '--out_dir=out'],
-                               tmp_path)
+    code, out, err = run_train([*TINY, '--max_iters=50', '--eval_interval=2', '--max_bad_steps=3',
+                                '--out_dir=out'], tmp_path)
     assert_clean_error(code, err, 'stopping at iter 5', '3 consecutive', 'max_bad_steps=3')
     ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 4 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
@@ -227,8 +249,8 @@ def test_a_checkpoint_with_nonfinite_weights_is_never_written(tmp_path, monkeypa
             self.param_groups[0]['params'][0].data.fill_(float('nan'))
         return result
     monkeypatch.setattr(torch.optim.AdamW, 'step', breaking_step)
-    code, out, err = run_train([*TINY, '--max_iters=10', '--eval_interval=2', '--max_bad_steps=100', '--out_dir=out'],
-                               tmp_path)
+    code, out, err = run_train([*TINY, '--max_iters=10', '--eval_interval=2', '--max_bad_steps=100',
+                                '--out_dir=out'], tmp_path)
     assert_clean_error(code, err, 'non-finite weights at iter 4', 'not saving')
     ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 2 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
@@ -260,8 +282,10 @@ ERROR_ROWS = {
     'wrong_type_int': (None, ['--n_layer=two'], ["n_layer='two'", 'expected int']),
     'wrong_type_bool': (None, ['--compile=1'], ['compile=1', 'expected bool']),
     'wrong_type_float': (None, ['--learning_rate=fast'], ["learning_rate='fast'", 'expected float']),
-    'choice_model': (None, ['--readout=softmax'], ["readout='softmax'", 'choose one of rmsnorm, layernorm, raw']),
-    'choice_train': (None, ['--lr_schedule=linear'], ["lr_schedule='linear'", 'choose one of constant, cosine']),
+    'choice_model': (None, ['--readout=softmax'],
+                     ["readout='softmax'", 'choose one of rmsnorm, layernorm, raw']),
+    'choice_train': (None, ['--lr_schedule=linear'],
+                     ["lr_schedule='linear'", 'choose one of constant, cosine']),
     'n_embd_not_divisible': (None, ['--n_embd=30', '--n_head=4'], ['n_embd=30', 'n_head=4']),
     'block_size_longer_than_val': (None, ['--block_size=5000'], ['block_size=5000', 'val split']),
     'n_loop_below_1': (None, ['--n_loop=0'], ['n_loop=0']),
@@ -298,7 +322,8 @@ def test_bad_input_gives_one_line_and_touches_no_checkpoint(row, run_dir):
     assert (snapshot(ckpt) if ckpt.exists() else None) == before
 
 
-@pytest.mark.parametrize('args', [['--n_layers=3'], ['--init_from=resume']], ids=['unknown_key', 'truncated_ckpt'])
+@pytest.mark.parametrize('args', [['--n_layers=3'], ['--init_from=resume']],
+                         ids=['unknown_key', 'truncated_ckpt'])
 def test_command_line_error_has_no_traceback(args, run_dir):
     # the same rows through a real process: exit status 1, one line on stderr
     ckpt = run_dir / 'out' / 'ckpt.pt'
@@ -315,8 +340,8 @@ DEFAULTS = train_defaults()
 KEYS = sorted(DEFAULTS)
 key = st.one_of(st.sampled_from(KEYS), st.text(min_size=1, max_size=12))
 value = st.one_of(st.text(max_size=20), st.integers().map(str), st.floats().map(repr),
-                  st.sampled_from(['True', 'False', '()', '(1, 2)', '[0.5]', 'none', 'deeploop', 'raw', 'rope',
-                                   'resume', 'cosine', '1e400', 'nan', '((((', '{1: 2}', "'x'"]))
+                  st.sampled_from(['True', 'False', '()', '(1, 2)', '[0.5]', 'none', 'deeploop', 'raw',
+                                   'rope', 'resume', 'cosine', '1e400', 'nan', '((((', '{1: 2}', "'x'"]))
 flags = st.lists(st.tuples(key, value).map(lambda kv: f'--{kv[0]}={kv[1]}'), max_size=4)
 
 
@@ -354,7 +379,8 @@ def test_random_bytes_as_data_or_checkpoint_load_or_fail_cleanly(blob, which, bl
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(args=flags, blob=st.binary(max_size=300), which=st.sampled_from(['none', 'val.bin', 'meta.json', 'ckpt.pt']))
+@given(args=flags, blob=st.binary(max_size=300),
+       which=st.sampled_from(['none', 'val.bin', 'meta.json', 'ckpt.pt']))
 def test_train_entry_point_with_random_flags_and_files_succeeds_or_fails_cleanly(args, blob, which, tmp_path):
     # the whole entry point, random flags first, then pins that keep it tiny, local and quick
     root = Path(tempfile.mkdtemp(dir=tmp_path))  # a fresh folder per example
@@ -383,8 +409,8 @@ DDP_HOOKS = textwrap.dedent('''
     import common
     rank, dump = os.environ.get('RANK', '0'), os.environ['DUMP']
     rec = {'train': [], 'eval': [], 'saves': 0, 'models': []}
-    forward, exit_losses, init, save, step = (M.GPT.forward, M.GPT.exit_losses, M.GPT.__init__, common.atomic_save,
-                                              torch.optim.AdamW.step)
+    forward, exit_losses, init, save, step = (M.GPT.forward, M.GPT.exit_losses, M.GPT.__init__,
+                                              common.atomic_save, torch.optim.AdamW.step)
     def rec_forward(self, idx, targets=None, n_loop=None):
         if self.training and targets is not None:
             rec['train'].append((idx.clone(), targets.clone()))
@@ -420,14 +446,17 @@ DDP_HOOKS = textwrap.dedent('''
 
 def torchrun_unavailable():
     """None if torchrun can start 2 gloo processes here, else the reason"""
-    probe = 'import torch.distributed as d; d.init_process_group("gloo"); d.barrier(); d.destroy_process_group()'
+    probe = ('import torch.distributed as d; d.init_process_group("gloo"); d.barrier(); '
+             'd.destroy_process_group()')
     try:
-        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                            '--no-python', sys.executable, '-c', probe],
+        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                            '--nproc_per_node=2', '--no-python', sys.executable, '-c', probe],
                            capture_output=True, text=True, timeout=120, env=cli_env())
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"torchrun could not start: {e}"
-    return None if r.returncode == 0 else f"torchrun could not start 2 gloo processes: {r.stderr.strip()[-300:]}"
+    if r.returncode == 0:
+        return None
+    return f"torchrun could not start 2 gloo processes: {r.stderr.strip()[-300:]}"
 
 
 def test_ddp_two_cpu_processes_match_one_process_on_the_same_global_batch(tmp_path):
@@ -435,8 +464,8 @@ def test_ddp_two_cpu_processes_match_one_process_on_the_same_global_batch(tmp_pa
     (tmp_path / 'hooks.py').write_text(DDP_HOOKS)
     (tmp_path / 'dump').mkdir()
     # 4 micro-batches per step in total: 2 per rank. eval_iters=3 batches per split per rank.
-    args = [*TINY, '--gradient_accumulation_steps=4', '--grad_clip=0', '--eval_iters=3', '--max_iters=2', '--eval_interval=2',
-            '--out_dir=out']
+    args = [*TINY, '--gradient_accumulation_steps=4', '--grad_clip=0', '--eval_iters=3', '--max_iters=2',
+            '--eval_interval=2', '--out_dir=out']
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
                         'hooks.py', *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=cli_env(REPO=REPO, DUMP=str(tmp_path / 'dump')))
@@ -472,7 +501,8 @@ def test_ddp_two_cpu_processes_match_one_process_on_the_same_global_batch(tmp_pa
     # evaluation averages over both ranks (the first eval: 3 train batches then 3 val batches per rank)
     first = read_metrics(tmp_path / 'out' / 'metrics.jsonl')[0]
     per_rank = [torch.stack([ce for ce, _ in d['first_eval'][3:6]]).mean(0) for d in (d0, d1)]
-    torch.testing.assert_close(torch.tensor(first['val_ce']), (per_rank[0] + per_rank[1]) / 2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(first['val_ce']), (per_rank[0] + per_rank[1]) / 2, rtol=1e-5,
+                               atol=1e-6)
     assert not torch.allclose(torch.tensor(first['val_ce']), per_rank[0], rtol=1e-5, atol=1e-6)
 
     # only rank 0 writes checkpoints and logs

@@ -1,4 +1,5 @@
-"""sample.py: decodes text from a checkpoint with fixed and adaptive exit; every bad input is one clean line."""
+"""sample.py: decodes text from a checkpoint with fixed and adaptive exit; every bad input is one clean
+line."""
 import contextlib
 import hashlib
 import io
@@ -36,8 +37,9 @@ def mean_loops(stdout):
 
 def test_sample_decodes_text_from_a_checkpoint(tiny_data, tiny_ckpt, repo_dir):
     # the real command line, from the folder holding data/ (the default meta.json is data/<dataset>/meta.json)
-    r = subprocess.run([sys.executable, str(repo_dir / 'sample.py'), f'--out_dir={tiny_ckpt}', '--start=ROMEO:',
-                        *FAST], cwd=tiny_data.parent.parent, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(repo_dir / 'sample.py'), f'--out_dir={tiny_ckpt}',
+                        '--start=ROMEO:', *FAST], cwd=tiny_data.parent.parent, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     itos = json.loads((tiny_data / 'meta.json').read_text(encoding='utf-8'))['itos']
     samples = re.findall(r'(ROMEO:[\s\S]*?)\n---------------\n', r.stdout)
@@ -50,8 +52,9 @@ def test_sample_decodes_text_from_a_checkpoint(tiny_data, tiny_ckpt, repo_dir):
 def test_adaptive_exit_reports_mean_loops_per_token(tiny_data, tiny_ckpt, monkeypatch):
     monkeypatch.chdir(tiny_data.parent.parent)
     base = [f'--out_dir={tiny_ckpt}', *FAST]
-    # threshold 0: every token is confident enough at loop 1 (except, at most, the first new token of a sample,
-    # whose logits come from the prompt's pass through all R loops); an unreachable threshold: every token runs R
+    # threshold 0: every token is confident enough at loop 1 (except, at most, the first new token of a
+    # sample, whose logits come from the prompt's pass through all R loops); an unreachable threshold: every
+    # token runs R
     code, out, _ = run_main(base + ['--exit_threshold=0'])
     loops, R = mean_loops(out)
     assert code == 0 and R == 2 and 1.0 <= loops <= round((11 * 1 + 2) / 12, 2)
@@ -63,11 +66,40 @@ def test_adaptive_exit_reports_mean_loops_per_token(tiny_data, tiny_ckpt, monkey
 
 def test_same_seed_same_samples_and_n_loop_override(tiny_data, tiny_ckpt, monkeypatch):
     monkeypatch.chdir(tiny_data.parent.parent)
-    base = [f'--out_dir={tiny_ckpt}/ckpt.pt', *FAST]                    # a checkpoint file works as --out_dir too
+    base = [f'--out_dir={tiny_ckpt}/ckpt.pt', *FAST]                   # a checkpoint file works as --out_dir
     assert run_main(base + ['--seed=7']) == run_main(base + ['--seed=7'])
     assert run_main(base + ['--seed=7'])[1] != run_main(base + ['--seed=8'])[1]
     code, out, _ = run_main(base + ['--n_loop=4', '--temperature=0'])   # extrapolation past the trained R=2
     assert code == 0 and 'fixed exit at loop 4' in out
+
+
+def greedy_by_hand(model, ids, n_new, n_loop):
+    """Greedy decoding from readout(h_R') of loop_states(x, R'), recomputed from scratch for every token."""
+    import torch
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n_new):
+            h = model.loop_states(x[:, -model.config.block_size:], n_loop)[-1]
+            x = torch.cat((x, model.readout(h[:, -1:], n_loop).argmax(-1)), dim=1)
+    return x[0].tolist()
+
+
+def test_n_loop_sets_the_depth_every_generated_token_is_read_at(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    meta = json.loads((tiny_data / 'meta.json').read_text(encoding='utf-8'))
+    # seed 2: an untrained R=2 model whose greedy text differs at 1, 2 and 4 loops (at seed 0 all are ':::')
+    model = save_tiny_checkpoint(str(tmp_path / 'deep' / 'ckpt.pt'), meta['vocab_size'], seed=2,
+                                 meta=meta).eval()
+    itos = meta['itos']
+    prompt = [itos.index(c) for c in 'ROMEO:']
+    texts = {}
+    for n_loop in (1, 2, 4):  # early exit, the trained R, extrapolation
+        code, out, err = run_main([f'--out_dir={tmp_path / "deep"}', *FAST, '--temperature=0',
+                                   '--start=ROMEO:', f'--n_loop={n_loop}'])
+        assert code == 0, err
+        texts[n_loop] = ''.join(itos[i] for i in greedy_by_hand(model, prompt, 12, n_loop))
+        assert out.count(texts[n_loop] + '\n---------------\n') == 2, (n_loop, texts[n_loop], out)
+    assert len(set(texts.values())) == 3, texts
 
 
 def test_meta_flag_and_start_file(tiny_data, tiny_ckpt, tmp_path, monkeypatch):
@@ -92,7 +124,8 @@ def test_gpt2_checkpoint_with_padded_vocab_decodes(shared_dir, tmp_path, monkeyp
     # GPT-2 BPE data (vocab 50257) and a model padded to 50304 as nanoGPT does: accepted, and decodable
     from prepare import prepare
     (tmp_path / 'bpe.txt').write_text('To be, or not to be, that is the question.\n' * 40, encoding='utf-8')
-    meta = prepare('bpe', input_path=str(tmp_path / 'bpe.txt'), tokenizer='gpt2', out_dir=str(tmp_path / 'data'))
+    meta = prepare('bpe', input_path=str(tmp_path / 'bpe.txt'), tokenizer='gpt2',
+                   out_dir=str(tmp_path / 'data'))
     save_tiny_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'), 50304, dataset='bpe', meta=meta)
     monkeypatch.chdir(tmp_path)
     code, out, err = run_main(['--out_dir=out', '--start=To be, or', '--exit_threshold=0.5', *FAST])
@@ -108,7 +141,8 @@ def bad_setups(tmp_path, tiny_ckpt):
     (tmp_path / 'notes.pt').write_text('these are my notes, not a checkpoint')
     (tmp_path / 'list.pt').write_bytes(b'')
     meta = json.loads((tiny_ckpt.parent / 'data' / 'tiny_char' / 'meta.json').read_text(encoding='utf-8'))
-    for name, text in [('other', json.dumps({**meta, 'vocab_size': 65, 'itos': [chr(33 + i) for i in range(65)]})),
+    other = {**meta, 'vocab_size': 65, 'itos': [chr(33 + i) for i in range(65)]}
+    for name, text in [('other', json.dumps(other)),
                        ('reordered', json.dumps({**meta, 'itos': meta['itos'][::-1]})),
                        ('broken', '{"tokenizer": ')]:
         (tmp_path / name).mkdir()
@@ -153,7 +187,8 @@ def test_bad_input_is_one_line_error(tmp_path, tiny_ckpt, monkeypatch, args, say
 
 def test_cli_errors_have_no_traceback(tmp_path, tiny_ckpt, repo_dir):
     bad_setups(tmp_path, tiny_ckpt)
-    for args in (['--out_dir=truncated.pt'], [f'--out_dir={tiny_ckpt}', '--start=FILE:missing.txt', '--bogus=1']):
+    for args in (['--out_dir=truncated.pt'],
+                 [f'--out_dir={tiny_ckpt}', '--start=FILE:missing.txt', '--bogus=1']):
         r = subprocess.run([sys.executable, str(repo_dir / 'sample.py'), *args], cwd=tmp_path,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr, r.stderr
@@ -169,8 +204,9 @@ def test_random_bytes_as_checkpoint_give_a_clean_error(tmp_path, blob):
 
 
 FLAGS = [a.option_strings[0] for a in sample.p._actions if a.option_strings and a.option_strings[0] != '-h']
-VALUES = st.one_of(st.sampled_from(['0', '1', '-1', '3', '0.5', '1e9', 'nan', 'inf', '', 'cpu', 'cuda', 'auto',
-                                    'margin', 'ROMEO:', 'FILE:', 'FILE:nope.txt', 'out', 'data/tiny_char']),
+VALUES = st.one_of(st.sampled_from(['0', '1', '-1', '3', '0.5', '1e9', 'nan', 'inf', '', 'cpu', 'cuda',
+                                    'auto', 'margin', 'ROMEO:', 'FILE:', 'FILE:nope.txt', 'out',
+                                    'data/tiny_char']),
                    st.text(max_size=8))
 
 

@@ -25,11 +25,13 @@ TRAIN = os.path.join(REPO, 'train.py')
 
 # a model small enough to train a few steps in well under a second
 TINY = ['--n_layer=1', '--n_loop=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=4',
-        '--eval_iters=2', '--device=cpu', '--dtype=float32', '--compile=False', '--gradient_accumulation_steps=1',
-        '--log_interval=1', '--dataset=tiny']
+        '--eval_iters=2', '--device=cpu', '--dtype=float32', '--compile=False',
+        '--gradient_accumulation_steps=1', '--log_interval=1', '--dataset=tiny']
 
-TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
-        "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n\n")
+TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
+        "It is the east, and Juliet is the sun.\n\n"
+        "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\n"
+        "Deny thy father and refuse thy name.\n\n")
 
 
 def write_data(root, name='tiny', n_chars=6000, val_chars=800):
@@ -59,7 +61,8 @@ def run_train(args, cwd):
     code = 0
     try:
         os.chdir(cwd)
-        os.environ['OMP_NUM_THREADS'] = '1'  # tiny models: one thread is fastest, and the suite shares 2 cores
+        # tiny models: one thread is fastest, and the suite shares 2 cores
+        os.environ['OMP_NUM_THREADS'] = '1'
         torch.set_num_threads(1)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             runpy.run_path(TRAIN, run_name='__main__')
@@ -103,8 +106,8 @@ def test_train_runs_end_to_end_writes_checkpoint_and_resumes(tmp_path):
     assert r.returncode == 0, r.stderr
     assert 'step 4:' in r.stdout and 'saving checkpoint' in r.stdout
     ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
-    for key in ('model', 'model_args', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'dataset',
-                'rng', 'data_rng', 'world_size'):
+    for key in ('model', 'model_args', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config',
+                'dataset', 'rng', 'data_rng', 'world_size'):
         assert key in ckpt, key
     assert ckpt['iter_num'] == 4 and ckpt['dataset'] == 'tiny' and ckpt['world_size'] == 1
     assert not any(k.startswith(('_orig_mod.', 'module.')) for k in ckpt['model'])
@@ -117,7 +120,8 @@ def test_train_runs_end_to_end_writes_checkpoint_and_resumes(tmp_path):
 
 def test_eval_block_reports_ce_at_every_exit_and_norm_of_every_loop(tmp_path):
     write_data(tmp_path)
-    code, out, err = run_train([*TINY, '--n_loop=3', '--max_iters=2', '--eval_interval=1', '--out_dir=out'], tmp_path)
+    code, out, err = run_train([*TINY, '--n_loop=3', '--max_iters=2', '--eval_interval=1', '--out_dir=out'],
+                               tmp_path)
     assert code == 0, err
     assert 'exit k' in out and 'train CE' in out and 'val CE' in out and '||h_k||' in out
     rows = read_metrics(tmp_path / 'out' / 'metrics.jsonl')
@@ -170,7 +174,8 @@ def test_override_values_are_typed_like_their_defaults():
     d = train_defaults()
     c, _ = configurator.configure(d, ['--learning_rate=3', '--dataset=wikitext103', '--compile=True',
                                       '--depth_scaling=0.3', '--exit_weights=(1, 2)', '--n_layer=3'])
-    assert c['learning_rate'] == 3.0 and isinstance(c['learning_rate'], float)  # int accepted where float expected
+    # an int is accepted where a float is expected
+    assert c['learning_rate'] == 3.0 and isinstance(c['learning_rate'], float)
     assert c['dataset'] == 'wikitext103'            # not a Python literal: taken as a string
     assert c['compile'] is True and c['n_layer'] == 3
     assert c['depth_scaling'] == 0.3                # a number, or a name
@@ -181,13 +186,13 @@ def test_override_values_are_typed_like_their_defaults():
 
 def test_lr_schedules_constant_and_warmup_cosine(tmp_path):
     write_data(tmp_path)
-    code, out, err = run_train([*TINY, '--max_iters=6', '--eval_interval=1', '--out_dir=c', '--learning_rate=1e-3',
-                                '--lr_schedule=constant'], tmp_path)
+    code, out, err = run_train([*TINY, '--max_iters=6', '--eval_interval=1', '--out_dir=c',
+                                '--learning_rate=1e-3', '--lr_schedule=constant'], tmp_path)
     assert code == 0, err
     assert {r['lr'] for r in read_metrics(tmp_path / 'c' / 'metrics.jsonl')} == {1e-3}
-    code, out, err = run_train([*TINY, '--max_iters=6', '--eval_interval=1', '--out_dir=w', '--learning_rate=1e-3',
-                                '--lr_schedule=cosine', '--warmup_iters=2', '--lr_decay_iters=5', '--min_lr=1e-4'],
-                               tmp_path)
+    code, out, err = run_train([*TINY, '--max_iters=6', '--eval_interval=1', '--out_dir=w',
+                                '--learning_rate=1e-3', '--lr_schedule=cosine', '--warmup_iters=2',
+                                '--lr_decay_iters=5', '--min_lr=1e-4'], tmp_path)
     assert code == 0, err
     lrs = [r['lr'] for r in read_metrics(tmp_path / 'w' / 'metrics.jsonl')]
     # warmup (it+1)/(warmup+1) * lr, then cosine from lr to min_lr at lr_decay_iters, then min_lr
