@@ -1,10 +1,11 @@
 """
-Shared test set-up: the repo on sys.path, tiktoken's offline GPT-2 files, and small data and checkpoints.
+Shared test set-up: the repo on sys.path, the offline data copies, and small data and checkpoints.
 
 Fixtures
-  repo_dir    the repository root
-  shared_dir  ../shared beside the repo (offline data); tests that need it skip, with the reason, where it
-              is absent
+  repo_dir      the repository root
+  offline_data  the folder named by NANOLOOP_OFFLINE_DATA (tinyshakespeare/input.txt, gutenberg/,
+                tiktoken_cache/): offline copies of real corpora and of tiktoken's GPT-2 files, which CI
+                passes in. Tests that need it skip, saying why, when the variable is unset
   tiny_data   a small char-level dataset written by prepare.py: tmp_path/data/tiny_char/{train,val}.bin,
               meta.json (returns that folder: .parent is the data root, .name the dataset name)
   tiny_ckpt   a checkpoint in the SPEC format for a tiny looped GPT on tiny_data: tmp_path/out/ckpt.pt
@@ -19,11 +20,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / 'shared'
+OFFLINE = Path(os.environ['NANOLOOP_OFFLINE_DATA']) if os.environ.get('NANOLOOP_OFFLINE_DATA') else None
 sys.path.insert(0, str(REPO))
-# tiktoken reads its GPT-2 files from here instead of the network (shared/data/README.md)
-if (SHARED / 'data' / 'tiktoken_cache').is_dir():
-    os.environ.setdefault('TIKTOKEN_CACHE_DIR', str(SHARED / 'data' / 'tiktoken_cache'))
+# tiktoken reads its GPT-2 files from its cache folder before it tries the network
+if OFFLINE is not None and (OFFLINE / 'tiktoken_cache').is_dir():
+    os.environ.setdefault('TIKTOKEN_CACHE_DIR', str(OFFLINE / 'tiktoken_cache'))
 
 
 @pytest.fixture(scope='session')
@@ -32,10 +33,10 @@ def repo_dir():
 
 
 @pytest.fixture(scope='session')
-def shared_dir():
-    if not (SHARED / 'data').is_dir():
-        pytest.skip(f"{SHARED}/data not found: the offline data folder shared/ is not beside the repo")
-    return SHARED
+def offline_data():
+    if OFFLINE is None or not OFFLINE.is_dir():
+        pytest.skip("NANOLOOP_OFFLINE_DATA is not set to a folder of offline data copies")
+    return OFFLINE
 
 
 WORDS = ('the of and to my thy thou art love death king crown night sword sweet gentle lord lady sir '

@@ -1,5 +1,5 @@
 """
-eval_depth.py: every diagnostic on a tiny model with a known answer (papers.md §1).
+eval_depth.py: every diagnostic on a tiny model with a known answer (docs/papers.md §1).
 """
 import json
 import math
@@ -40,7 +40,7 @@ def test_freeze_clamp_rescales_every_loop_to_loop_one_rms():
     model = tiny(n_loop=4)
     X, _ = batch()
     with torch.no_grad():
-        hs = ed.run_loops(model, X, clamp='freeze')
+        hs = ed.clamped_states(model, X, clamp='freeze')
     rms = lambda h: h.pow(2).mean(-1).sqrt()
     for h in hs[1:]:
         assert torch.allclose(rms(h), rms(hs[0]), rtol=1e-4)
@@ -63,7 +63,7 @@ def test_freeze_clamped_state_is_what_enters_the_next_loop(loop_norm):
         for _ in range(3):
             h = blocks(model, model.transformer.ln_loop(hs[-1]))
             hs.append(h * rms(hs[0]) / rms(h))
-        for k, (a, b) in enumerate(zip(ed.run_loops(model, X, clamp='freeze'), hs), start=1):
+        for k, (a, b) in enumerate(zip(ed.clamped_states(model, X, clamp='freeze'), hs), start=1):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), k
 
 
@@ -78,11 +78,11 @@ def test_radial_clamp_removes_the_radial_update_and_feeds_the_clamped_state_forw
             x = model.transformer.ln_loop(hs[-1])
             delta = blocks(model, x) - x
             hs.append(x + delta - (delta * x).sum(-1, keepdim=True) / x.pow(2).sum(-1, keepdim=True) * x)
-        clamped = ed.run_loops(model, X, clamp='radial')
+        clamped = ed.clamped_states(model, X, clamp='radial')
         for k, (a, b) in enumerate(zip(clamped, hs), start=1):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), k
         # the clamp is not a no-op here: the unclamped loop grows radially
-        assert not torch.allclose(clamped[-1], ed.run_loops(model, X)[-1], atol=1e-2)
+        assert not torch.allclose(clamped[-1], ed.clamped_states(model, X)[-1], atol=1e-2)
 
 
 @pytest.mark.parametrize('kw', [dict(), dict(inter_loop_norm='rmsnorm'), dict(pos='rope', readout='raw'),
@@ -91,13 +91,13 @@ def test_unclamped_loop_equals_model_loop_states(kw):
     model = tiny(**kw)
     X, _ = batch()
     with torch.no_grad():
-        for a, b in zip(ed.run_loops(model, X, n_loop=5), model.loop_states(X, n_loop=5)):
+        for a, b in zip(ed.clamped_states(model, X, n_loop=5), model.states(X, n_loop=5)):
             assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize('readout', ['rmsnorm', 'layernorm'])
 def test_scale_invariant_readout_sends_no_radial_gradient(readout):
-    # papers.md §1 Lemma 1: <dL/dh, h> = 0 for a scale-invariant readout; a raw readout sees the scale
+    # docs/papers.md §1 Lemma 1: <dL/dh, h> = 0 for a scale-invariant readout; a raw readout sees the scale
     X, Y = batch()
     frac, total = ed.radial_gradient(tiny(readout=readout), X, Y, batch_size=3)
     assert max(frac) < 1e-5
@@ -159,10 +159,10 @@ def test_dynamic_batching_reproduces_the_simulated_exits():
 
 def test_confidence_policies_known_values():
     uniform, peaked = torch.zeros(1, 1, 8), torch.tensor([[[10.0, 2.0] + [0.0] * 6]])
-    assert ed.confidence(uniform, 'maxprob').item() == pytest.approx(1 / 8)
-    assert ed.confidence(uniform, 'entropy').item() == pytest.approx(0.0, abs=1e-6)
-    assert ed.confidence(peaked, 'margin').item() == pytest.approx(8.0)
-    assert 0.9 < ed.confidence(peaked, 'entropy').item() <= 1.0
+    assert ed.exit_score(uniform, 'maxprob').item() == pytest.approx(1 / 8)
+    assert ed.exit_score(uniform, 'entropy').item() == pytest.approx(0.0, abs=1e-6)
+    assert ed.exit_score(peaked, 'margin').item() == pytest.approx(8.0)
+    assert 0.9 < ed.exit_score(peaked, 'entropy').item() <= 1.0
 
 
 def test_val_windows_targets_are_the_inputs_shifted_by_one_token(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, LinearCrossEntropy
+from model import GPT, GPTConfig, LinearCrossEntropy, peak_flops
 
 V, T = 48, 16
 
@@ -33,14 +33,13 @@ def test_unknown_choice_error_lists_the_allowed_values(key, value):
         GPTConfig(**{key: value})
     msg = str(e.value)
     assert msg.startswith(f"{key}={value!r}: choose one of")
-    assert ', '.join(__import__('model').CHOICES[key]) in msg
+    assert ', '.join(__import__('model').MODEL_CHOICES[key]) in msg
 
 
 @pytest.mark.parametrize('kw,fragment', [(dict(n_embd=30, n_head=4), 'not divisible'),
                                          (dict(n_loop=0), 'n_loop=0'),
                                          (dict(depth_scaling='huge'), 'depth_scaling'),
-                                         (dict(depth_scaling='deeploop'), "block='postln'"),
-                                         (dict(exit_weights=(1.0, 2.0)), 'exit_weights')])
+                                         (dict(depth_scaling='deeploop'), "block='postln'")])
 def test_impossible_configs_are_rejected_in_one_line(kw, fragment):
     with pytest.raises(ValueError) as e:
         GPTConfig(**kw)
@@ -51,7 +50,9 @@ def test_parameter_count_does_not_depend_on_loop_count():
     counts = {R: tiny(n_loop=R).get_num_params() for R in (1, 2, 4, 8)}
     assert len(set(counts.values())) == 1, counts
     # ...and the tied head is the embedding: no extra V*C matrix
-    assert tiny(tie_weights=False).get_num_params() == counts[1] + V * 16
+    m = tiny()
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert m.get_num_params(non_embedding=False) == sum(p.numel() for p in m.transformer.parameters())
 
 
 # ---------------------------------------------------------------- the loop
@@ -59,10 +60,10 @@ def test_parameter_count_does_not_depend_on_loop_count():
 def test_loop_states_returns_one_state_per_loop_and_n_loop_overrides_R():
     m = tiny()
     idx, _ = batch()
-    assert [h.shape for h in m.loop_states(idx)] == [(3, T, 16)] * 3
-    assert len(m.loop_states(idx, n_loop=1)) == 1 and len(m.loop_states(idx, n_loop=6)) == 6
+    assert [h.shape for h in m.states(idx)] == [(3, T, 16)] * 3
+    assert len(m.states(idx, n_loop=1)) == 1 and len(m.states(idx, n_loop=6)) == 6
     # early exit: the first k states of a longer run are the states of a shorter run
-    a, b = m.loop_states(idx, n_loop=2), m.loop_states(idx, n_loop=5)
+    a, b = m.states(idx, n_loop=2), m.states(idx, n_loop=5)
     assert all(torch.allclose(x, y) for x, y in zip(a, b))
 
 
@@ -78,7 +79,7 @@ def test_one_layer_looped_R_times_equals_R_copied_layers_run_once(block):
                 sd[key.replace('transformer.h.0.', f'transformer.h.{j}.')] = value
     untied.load_state_dict(sd)
     idx, tgt = batch()
-    assert torch.allclose(looped.loop_states(idx)[-1], untied.loop_states(idx)[-1], atol=1e-5)
+    assert torch.allclose(looped.states(idx)[-1], untied.states(idx)[-1], atol=1e-5)
     assert torch.allclose(looped(idx, tgt)[1], untied(idx, tgt)[1], atol=1e-5)
 
 
@@ -86,16 +87,17 @@ def test_inter_loop_norm_hands_each_loop_a_unit_rms_state():
     m = tiny(inter_loop_norm='rmsnorm', n_loop=4)
     seen = []
     hook = m.transformer.h[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
-    m.loop_states(batch()[0])
+    m.states(batch()[0])
     hook.remove()
     # loop 1 gets the embedding (norm ~ 1 per entry under reference init); loops 2..R get LoopNorm(h_{k-1})
     for x in seen[1:]:
         assert torch.allclose(x.pow(2).mean(-1).sqrt(), torch.ones(x.shape[:2]), atol=1e-3)
-    # ...while the states leaving each loop are not normalised (their scale is what papers.md §1 reports)
-    assert not torch.allclose(m.loop_states(batch()[0])[-1].pow(2).mean(-1), torch.ones(3, T), atol=1e-2)
+    # ...while the states leaving each loop are not normalised (their scale is what docs/papers.md §1
+    # reports)
+    assert not torch.allclose(m.states(batch()[0])[-1].pow(2).mean(-1), torch.ones(3, T), atol=1e-2)
 
 
-# ---------------------------------------------------------------- the readout blind spot (papers.md §1)
+# ---------------------------------------------------------------- the readout blind spot (docs/papers.md §1)
 
 @pytest.mark.parametrize('readout,invariant', [('rmsnorm', True), ('layernorm', True), ('raw', False)])
 def test_normalised_readout_hides_radial_scale(readout, invariant):
@@ -132,21 +134,19 @@ def test_per_loop_loss_is_the_mean_of_exit_ces_and_terminal_is_the_last():
     ce, _ = per_loop.exit_losses(idx, tgt)
     assert torch.allclose(per_loop(idx, tgt)[1], ce.mean(), atol=1e-5)
     assert torch.allclose(terminal(idx, tgt)[1], terminal.exit_losses(idx, tgt)[0][-1], atol=1e-5)
-    weighted = tiny(exit_weights=(0.0, 0.25, 0.75))
-    assert torch.allclose(weighted(idx, tgt)[1], 0.25 * ce[1] + 0.75 * ce[2], atol=1e-5)
 
 
 def test_norm_penalty_adds_lambda_times_mean_square_of_all_loop_states_and_zero_is_off():
     idx, tgt = batch()
     for supervision in ('per_loop', 'terminal'):
         plain, pen = tiny(supervision=supervision), tiny(supervision=supervision, norm_penalty=0.01)
-        states = plain.loop_states(idx)
+        states = plain.states(idx)
         expected = 0.01 * torch.stack([h.pow(2).mean() for h in states]).mean()
         assert torch.allclose(pen(idx, tgt)[1] - plain(idx, tgt)[1], expected, atol=1e-5)
     # lambda = 0: the loss is the exits' CE alone
     off = tiny(norm_penalty=0.0)
     ce = torch.stack([F.cross_entropy(off.readout(h, k).view(-1, V), tgt.view(-1))
-                      for k, h in enumerate(off.loop_states(idx), start=1)]).mean()
+                      for k, h in enumerate(off.states(idx), start=1)]).mean()
     assert torch.allclose(off(idx, tgt)[1], ce, atol=1e-6)
 
 
@@ -154,19 +154,19 @@ def test_exit_losses_report_mean_per_token_l2_norm_of_each_loop_state():
     m = tiny()
     idx, tgt = batch()
     _, norms = m.exit_losses(idx, tgt)
-    expected = torch.stack([h.norm(dim=-1).mean() for h in m.loop_states(idx)])
+    expected = torch.stack([h.norm(dim=-1).mean() for h in m.states(idx)])
     assert torch.allclose(norms, expected)
 
 
 def test_reference_init_starts_near_sqrt_d_and_gpt2_init_near_zero():
-    # papers.md §1: with PyTorch's default init (wte ~ N(0,1)) initial state norms are about sqrt(C)
+    # docs/papers.md §1: with PyTorch's default init (wte ~ N(0,1)) initial state norms are about sqrt(C)
     idx, tgt = batch()
     ref = tiny(init='reference', n_embd=64, n_head=4).exit_losses(idx, tgt)[1][0].item()
     gpt2 = tiny(init='gpt2', n_embd=64, n_head=4).exit_losses(idx, tgt)[1][0].item()
     assert 0.5 * math.sqrt(64) < ref < 3 * math.sqrt(64) and gpt2 < 1.0
 
 
-# ---------------------------------------------------------------- DeepLoop scaling (papers.md §2)
+# ---------------------------------------------------------------- DeepLoop scaling (docs/papers.md §2)
 
 @pytest.mark.parametrize('K,R', [(1, 1), (2, 4), (4, 3), (12, 3)])
 @pytest.mark.parametrize('scaling,p', [('none', 0.0), ('deepnorm', 0.25), ('deeploop', 0.5), (0.35, 0.35),
@@ -252,7 +252,8 @@ def test_alpha_multiplies_the_skip_path_and_the_prenormed_branch_ignores_scale(b
 
 @pytest.mark.parametrize('lam', [0.0, 2.0])
 def test_loop_eps_scales_prenorm_branches_by_lambda_over_R_sqrt_K_and_zero_is_off(lam):
-    # papers.md §3: h <- h + eps f(Norm h), eps = lambda / (R sqrt K); lambda = 0 leaves the branch unscaled
+    # docs/papers.md §3: h <- h + eps f(Norm h), eps = lambda / (R sqrt K); lambda = 0 leaves the branch
+    # unscaled
     m = tiny(block='preln', n_layer=2, n_loop=4, loop_eps=lam)
     b = m.transformer.h[0]
     eps = lam / (4 * math.sqrt(2)) if lam > 0 else 1.0
@@ -268,7 +269,7 @@ def test_loop_eps_scales_prenorm_branches_by_lambda_over_R_sqrt_K_and_zero_is_of
 
 @pytest.mark.parametrize('kw', [dict(), dict(supervision='terminal'),
                                 dict(readout='final_only', norm_penalty=0.1),
-                                dict(readout='layernorm', bias=True, exit_weights=(0.2, 0.3, 0.5))])
+                                dict(readout='layernorm', norm='layernorm')])
 def test_lean_per_loop_loss_and_gradients_equal_the_naive_version(kw):
     m = tiny(**kw)
     idx, tgt = batch()
@@ -277,7 +278,7 @@ def test_lean_per_loop_loss_and_gradients_equal_the_naive_version(kw):
     loss.backward()
     lean = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
-    states = m.loop_states(idx)
+    states = m.states(idx)
     naive = sum(w * F.cross_entropy(m.readout(h, k).view(-1, V), tgt.view(-1), ignore_index=-1)
                 for k, (h, w) in enumerate(zip(states, m.exit_weights(3)), start=1) if w > 0)
     naive = naive + m.config.norm_penalty * torch.stack([h.pow(2).mean() for h in states]).mean()
@@ -327,16 +328,16 @@ def test_linear_cross_entropy_under_bf16_autocast_matches_the_full_logit_loss():
 
 
 def test_overriding_n_loop_supervises_every_exit_uniformly_or_the_last_under_terminal():
-    # configured exit_weights belong to the trained R; at another loop count they fall back to 1/n_loop
+    # the weights follow the loop count of the call, not the trained R
     idx, tgt = batch()
-    m = tiny(exit_weights=(0.0, 0.25, 0.75))  # R = 3
-    assert m.exit_weights(3) == [0.0, 0.25, 0.75]
+    m = tiny()  # R = 3
+    assert m.exit_weights(3) == [1 / 3] * 3
     assert m.exit_weights(2) == [0.5, 0.5] and m.exit_weights(5) == [0.2] * 5
     term = tiny(supervision='terminal')
     assert term.exit_weights(5) == [0.0] * 4 + [1.0]
     for R in (2, 5):
         ce = lambda model: torch.stack([F.cross_entropy(model.readout(h, k).view(-1, V), tgt.view(-1))
-                                        for k, h in enumerate(model.loop_states(idx, R), start=1)])
+                                        for k, h in enumerate(model.states(idx, R), start=1)])
         assert torch.allclose(m(idx, tgt, n_loop=R)[1], ce(m).mean(), atol=1e-5), R
         assert torch.allclose(term(idx, tgt, n_loop=R)[1], ce(term)[-1], atol=1e-5), R
 
@@ -398,7 +399,7 @@ def test_cached_decoding_equals_full_recompute(kw):
 
 def exit_logits(m, seq):
     """(R, B, V): every exit's logits at the last position of seq, from the uncached full forward"""
-    states = m.loop_states(seq)
+    states = m.states(seq)
     return torch.stack([m.readout(h[:, -1], k) for k, h in enumerate(states, start=1)])
 
 
@@ -470,11 +471,11 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
     idx, _ = batch(B=1)
     K, R = 2, 3
     cache = m.new_cache(1, R, 'cpu', torch.float32)
-    m.step(idx[:, :4], cache, 0, R)
-    _, used = m.step(idx[:, 4:5], cache, 4, R, exit_threshold=0.0)     # exits after loop 1
+    m.decode_step(idx[:, :4], cache, 0, R)
+    _, used = m.decode_step(idx[:, 4:5], cache, 4, R, exit_threshold=0.0)     # exits after loop 1
     assert used.item() == 1
     # the exit state entering loop 2 is frozen; loops 2..R write K/V computed from it
-    x = m.loop_states(idx[:, :5], n_loop=1)[0][:, -1:]  # the new token's state after loop 1
+    x = m.states(idx[:, :5], n_loop=1)[0][:, -1:]  # the new token's state after loop 1
     for k in (2, 3):
         for j, block in enumerate(m.transformer.h):
             kk, vv = block.attn.kv(block.ln_1(x), None, None, 0)
@@ -483,8 +484,7 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
             assert torch.allclose(slot[1][:, :, 4:5], vv, atol=1e-5)
 
 
-@pytest.mark.parametrize('kw,n_exits', [(dict(), 3), (dict(supervision='terminal'), 1),
-                                         (dict(exit_weights=(0.0, 0.5, 0.5)), 2)])
+@pytest.mark.parametrize('kw,n_exits', [(dict(), 3), (dict(supervision='terminal'), 1)])
 def test_estimate_mfu_counts_every_loop_and_every_supervised_exit(kw, n_exits):
     # 6 flops per weight use (forward + backward): the K layers once per loop, the V x C head once per
     # supervised exit; attention scores 12 K R C T
@@ -497,8 +497,8 @@ def test_estimate_mfu_counts_every_loop_and_every_supervised_exit(kw, n_exits):
     # with the default uniform weights every exit
     exits_6 = 1 if kw.get('supervision') == 'terminal' else 6
     assert m.flops_per_token(8, n_loop=6) == 6 * (layer_params * 6 + V * C * exits_6) + 12 * K * 6 * C * 8
-    mfu = m.estimate_mfu(fwdbwd_per_iter=10, dt=0.5, peak_flops=1e9)
+    mfu = m.estimate_mfu(fwdbwd_per_iter=10, dt=0.5, peak=1e9)
     assert math.isclose(mfu, expected * T * 10 / 0.5 / 1e9)
-    assert math.isclose(m.estimate_mfu(fwdbwd_per_iter=4, dt=2.0, peak_flops=1e9, T=8),
+    assert math.isclose(m.estimate_mfu(fwdbwd_per_iter=4, dt=2.0, peak=1e9, T=8),
                         m.flops_per_token(8) * 8 * 4 / 2.0 / 1e9)
-    assert GPT.peak_flops('NVIDIA H200') == 989e12 and GPT.peak_flops('some cpu') is None
+    assert peak_flops('NVIDIA H200') == 989e12 and peak_flops('some cpu') is None

@@ -35,29 +35,37 @@ def one_line_error(capsys, excinfo):
 
 # ---- tinyshakespeare, the two tokenizers ----
 
-def test_shakespeare_char_reproduces_nanogpt_split(shared_dir, tmp_path):
+def use_offline_shakespeare(offline_data, monkeypatch):
+    # the real download path, reading the offline copy through a file:// URL (urllib opens both)
+    monkeypatch.setattr(prepare, 'SHAKESPEARE_URL', (offline_data / 'tinyshakespeare' / 'input.txt').as_uri())
+
+
+def test_shakespeare_char_reproduces_nanogpt_split(offline_data, tmp_path, monkeypatch):
+    use_offline_shakespeare(offline_data, monkeypatch)
     meta, train, val = load_prepared('shakespeare_char', tmp_path)
+    assert (tmp_path / 'data' / 'shakespeare_char' / 'input.txt').is_file()  # downloaded once, kept
     # nanoGPT's data/shakespeare_char/prepare.py prints exactly these numbers
     assert meta['vocab_size'] == 65 and meta['tokenizer'] == 'char' and meta['dtype'] == 'uint16'
     assert (len(train), len(val)) == (1_003_854, 111_540)
     assert (meta['train_tokens'], meta['val_tokens']) == (len(train), len(val))
     encode, decode = get_tokenizer(meta)
-    text = (shared_dir / 'data' / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')
+    text = (offline_data / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')
     assert decode(train.tolist()) + decode(val.tolist()) == text      # lossless round trip
 
 
-def test_shakespeare_gpt2_token_counts(shared_dir, tmp_path):
+def test_shakespeare_gpt2_token_counts(offline_data, tmp_path, monkeypatch):
+    use_offline_shakespeare(offline_data, monkeypatch)
     meta, train, val = load_prepared('shakespeare', tmp_path)
     assert meta['vocab_size'] == 50257 and meta['tokenizer'] == 'gpt2' and meta['dtype'] == 'uint16'
     assert (len(train), len(val)) == (301_966, 36_059)                 # nanoGPT's data/shakespeare numbers
     encode, decode = get_tokenizer(meta)
-    text = (shared_dir / 'data' / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')
-    # the whole file (shared/data/README.md)
+    text = (offline_data / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')
+    # the whole file
     assert len(encode(text)) == 338_025
     assert decode(train.tolist()) + decode(val.tolist()) == text
 
 
-def test_gpt2_tokenizer_is_gpt2(shared_dir):
+def test_gpt2_tokenizer_is_gpt2(offline_data):
     encode, decode = get_tokenizer({'tokenizer': 'gpt2', 'dataset': 'x'})
     assert encode('hello world') == [31373, 995]
     assert decode([31373, 995, 50300]) == 'hello world'                # padded-vocab ids have no text
@@ -72,14 +80,14 @@ def test_char_tokenizer_round_trip_and_unknown_character():
 
 # ---- local files and folders ----
 
-def test_gutenberg_folder_is_sorted_joined_and_crlf_free(shared_dir, tmp_path):
+def test_gutenberg_folder_is_sorted_joined_and_crlf_free(offline_data, tmp_path):
     books = tmp_path / 'books'
     books.mkdir()
     for name in ('pg1974.txt', 'pg1656.txt'):  # Poetics (22,064 GPT-2 tokens) and Apology (21,561)
-        shutil.copy(shared_dir / 'data' / 'gutenberg' / name, books / name)
+        shutil.copy(offline_data / 'gutenberg' / name, books / name)
     (books / 'notes.md').write_text('not a .txt file: ignored')
     meta, train, val = load_prepared('gutenberg2', tmp_path, input_path=str(books), tokenizer='gpt2')
-    # per-book counts from shared/data/gutenberg/README.md; the 90/10 cut may split one token in two
+    # per-book token counts listed with the offline copies; the 90/10 cut may split one token in two
     assert abs(len(train) + len(val) - (21_561 + 22_064)) <= 2
     _, decode = get_tokenizer(meta)
     text = decode(train.tolist()) + decode(val.tolist())
@@ -90,7 +98,7 @@ def test_gutenberg_folder_is_sorted_joined_and_crlf_free(shared_dir, tmp_path):
     assert len(train_c) + len(val_c) == len(text) and '\r' not in meta_c['itos']
 
 
-def test_input_file_with_default_tokenizer_for_a_new_name_is_gpt2(tmp_path):
+def test_input_file_with_default_tokenizer_for_a_new_name_is_gpt2(offline_data, tmp_path):
     src = tmp_path / 'mine.txt'
     src.write_text('Hello world.\r\n' * 50, encoding='utf-8')
     meta, train, val = load_prepared('mine', tmp_path, input_path=str(src))
@@ -121,8 +129,7 @@ def test_val_fraction_sets_the_split(tmp_path):
 
 # ---- the download path, without the network ----
 
-def test_download_is_used_only_without_the_offline_copy(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, 'SHAKESPEARE_LOCAL', str(tmp_path / 'absent.txt'))
+def test_tinyshakespeare_is_downloaded_once_and_kept(tmp_path, monkeypatch):
     urls = []
 
     class Response:
@@ -144,7 +151,6 @@ def test_download_is_used_only_without_the_offline_copy(tmp_path, monkeypatch):
 
 
 def test_download_failure_is_one_line_naming_the_offline_flag(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(prepare, 'SHAKESPEARE_LOCAL', str(tmp_path / 'absent.txt'))
     def offline(url, timeout):
         raise OSError('[Errno -2] Name or service not known')
     monkeypatch.setattr(prepare.urllib.request, 'urlopen', offline)
@@ -168,7 +174,7 @@ def fake_datasets(monkeypatch, load_dataset):
     return calls
 
 
-def test_wikitext103_joins_lines_of_each_hf_split(shared_dir, tmp_path, monkeypatch):
+def test_wikitext103_joins_lines_of_each_hf_split(offline_data, tmp_path, monkeypatch):
     calls = fake_datasets(monkeypatch, lambda *a, split, **k: [{'text': t} for t in WIKI[split]])
     meta, train, val = load_prepared('wikitext103', tmp_path)
     assert [c[0] for c in calls] == [('Salesforce/wikitext', 'wikitext-103-raw-v1')] * 2
@@ -179,7 +185,7 @@ def test_wikitext103_joins_lines_of_each_hf_split(shared_dir, tmp_path, monkeypa
     assert meta['tokenizer'] == 'gpt2' and meta['train_tokens'] == len(train)
 
 
-def test_fineweb_edu_streams_documents_with_eot_and_num_docs(shared_dir, tmp_path, monkeypatch):
+def test_fineweb_edu_streams_documents_with_eot_and_num_docs(offline_data, tmp_path, monkeypatch):
     def stream(*a, **k):
         for i in range(10_000):  # a "stream" far longer than asked for: num_docs must stop it
             yield {'text': f'Document number {i} is about photosynthesis.'}
@@ -195,7 +201,7 @@ def test_fineweb_edu_streams_documents_with_eot_and_num_docs(shared_dir, tmp_pat
                         'Document number 19 is about photosynthesis.']
 
 
-def test_a_failed_rerun_leaves_no_meta_json_vouching_for_other_files(shared_dir, tmp_path, monkeypatch,
+def test_a_failed_rerun_leaves_no_meta_json_vouching_for_other_files(offline_data, tmp_path, monkeypatch,
                                                                      capsys):
     fake_datasets(monkeypatch, lambda *a, **k: iter([{'text': 'one'}, {'text': 'two'}]))
     (tmp_path / 'data' / 'fineweb_edu').mkdir(parents=True)
@@ -215,7 +221,7 @@ def test_missing_datasets_package_is_one_line_error(tmp_path, monkeypatch, capsy
     assert 'pip install datasets' in one_line_error(capsys, e)
 
 
-def test_hub_failure_is_one_line_error(shared_dir, tmp_path, monkeypatch, capsys):
+def test_hub_failure_is_one_line_error(offline_data, tmp_path, monkeypatch, capsys):
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub "
                               "(LocalEntryNotFoundError)\nmore")
@@ -253,11 +259,9 @@ def test_bad_input_is_one_line_error(tmp_path, monkeypatch, capsys, argv, says):
     assert says in one_line_error(capsys, e)
 
 
-def test_cli_error_has_no_traceback_and_cache_dir_is_set(shared_dir, repo_dir, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != 'TIKTOKEN_CACHE_DIR'}
-    r = subprocess.run([sys.executable, str(repo_dir / 'prepare.py'), 'nosuchset'], cwd=tmp_path, env=env,
+def test_cli_error_has_no_traceback(repo_dir, tmp_path):
+    r = subprocess.run([sys.executable, str(repo_dir / 'prepare.py'), 'nosuchset'], cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr
-    r = subprocess.run([sys.executable, '-c', 'import os, prepare; print(os.environ["TIKTOKEN_CACHE_DIR"])'],
-                       cwd=repo_dir, env=env, capture_output=True, text=True)
-    assert os.path.samefile(r.stdout.strip(), shared_dir / 'data' / 'tiktoken_cache')
+
+

@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import (REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics,
                         train_defaults)
 
-import common
+import checkpoint
 import configurator
+import prepare
 
 
 def snapshot(path):
@@ -118,12 +119,12 @@ def test_checkpoints_load_whether_or_not_compiled_or_ddp_wrapped(run_dir):
     from model import GPT
     ckpt = torch.load(run_dir / 'out' / 'ckpt.pt', weights_only=True)
     # what a compiled model's (and a DDP-wrapped compiled model's) state_dict keys look like
-    model = common.build_model(ckpt)
+    model = checkpoint.build_model(ckpt)
     assert all(k.startswith('_orig_mod.') for k in torch.compile(model).state_dict())
     for prefix in ('_orig_mod.', 'module.', 'module._orig_mod.'):
         ckpt['model'] = {prefix + k: v for k, v in model.state_dict().items()}
         torch.save(ckpt, run_dir / 'out' / 'ckpt.pt')
-        assert model_tensors_equal(common.build_model(ckpt).state_dict(), model.state_dict())
+        assert model_tensors_equal(checkpoint.build_model(ckpt).state_dict(), model.state_dict())
         code, out, err = run_train(['--init_from=resume', '--out_dir=out',
                                     f'--max_iters={ckpt["iter_num"] + 1}'], run_dir)
         assert code == 0, err
@@ -133,18 +134,18 @@ def test_checkpoints_load_whether_or_not_compiled_or_ddp_wrapped(run_dir):
 
 def test_atomic_save_keeps_the_previous_checkpoint_when_a_write_dies(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
-    common.atomic_save({'model': {'w': torch.ones(3)}, 'model_args': {}}, path)
+    checkpoint.save({'model': {'w': torch.ones(3)}, 'model_args': {}}, path)
     before = snapshot(path)
 
     def dying_save(obj, f):  # writes half a file, then the process "dies"
         f.write(b'PK\x03\x04 half a zip')
         raise KeyboardInterrupt
-    monkeypatch.setattr(common.torch, 'save', dying_save)
+    monkeypatch.setattr(checkpoint.torch, 'save', dying_save)
     with pytest.raises(KeyboardInterrupt):
-        common.atomic_save({'model': {'w': torch.zeros(3)}, 'model_args': {}}, path)
+        checkpoint.save({'model': {'w': torch.zeros(3)}, 'model_args': {}}, path)
     assert snapshot(path) == before
     monkeypatch.undo()
-    assert torch.equal(common.load_checkpoint(path)['model']['w'], torch.ones(3))
+    assert torch.equal(checkpoint.load(path)['model']['w'], torch.ones(3))
 
 
 def files(folder):
@@ -177,7 +178,7 @@ def test_kill_9_during_saves_leaves_a_checkpoint_that_loads_and_resumes(tmp_path
         finally:
             p.send_signal(signal.SIGKILL)
             p.wait()
-        loaded = common.load_checkpoint(str(ckpt))  # dies (SystemExit) if the kill had torn the file
+        loaded = checkpoint.load(str(ckpt))  # dies (SystemExit) if the kill had torn the file
         assert all(torch.isfinite(v).all() for v in loaded['model'].values())
         iters.append(loaded['iter_num'])
     r = run_cli([*args, '--init_from=resume', f'--max_iters={iters[-1] + 1}'], tmp_path)
@@ -193,7 +194,7 @@ def poison_loops(monkeypatch, bad_call):
     the same batch, still in training mode) sees it too, so it can name the exits that went bad."""
     import model as M
     state = {'n': 0, 'armed': False}
-    forward, loop_states = M.GPT.forward, M.GPT.loop_states
+    forward, states = M.GPT.forward, M.GPT.states
 
     def poisoned_forward(self, idx, targets=None, n_loop=None):
         if self.training and targets is not None:
@@ -201,13 +202,13 @@ def poison_loops(monkeypatch, bad_call):
             state['armed'] = bad_call(state['n'])
         return forward(self, idx, targets, n_loop)
 
-    def poisoned_loop_states(self, idx, n_loop=None):
-        states = loop_states(self, idx, n_loop)
+    def poisoned_states(self, idx, n_loop=None):
+        hs = states(self, idx, n_loop)
         if self.training and state['armed']:
-            states = states[:1] + [h * float('nan') for h in states[1:]]
-        return states
+            hs = hs[:1] + [h * float('nan') for h in hs[1:]]
+        return hs
     monkeypatch.setattr(M.GPT, 'forward', poisoned_forward)
-    monkeypatch.setattr(M.GPT, 'loop_states', poisoned_loop_states)
+    monkeypatch.setattr(M.GPT, 'states', poisoned_states)
 
 
 def test_nonfinite_loss_skips_the_update_names_the_exits_and_training_recovers(tmp_path, monkeypatch):
@@ -372,10 +373,10 @@ def test_random_bytes_as_data_or_checkpoint_load_or_fail_cleanly(blob, which, bl
     capsys.readouterr()
     if which == 'ckpt.pt':
         write_file(root / 'ckpt.pt', blob)
-        outcome(lambda: common.load_checkpoint(str(root / 'ckpt.pt')), capsys)
+        outcome(lambda: checkpoint.load(str(root / 'ckpt.pt')), capsys)
     else:
         write_file(os.path.join(folder, which), blob)
-        outcome(lambda: common.open_data(folder, block_size), capsys)
+        outcome(lambda: prepare.open_data(folder, block_size), capsys)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -406,11 +407,11 @@ DDP_HOOKS = textwrap.dedent('''
     import torch
     sys.path.insert(0, os.environ['REPO'])
     import model as M
-    import common
+    import checkpoint
     rank, dump = os.environ.get('RANK', '0'), os.environ['DUMP']
     rec = {'train': [], 'eval': [], 'saves': 0, 'models': []}
     forward, exit_losses, init, save, step = (M.GPT.forward, M.GPT.exit_losses, M.GPT.__init__,
-                                              common.atomic_save, torch.optim.AdamW.step)
+                                              checkpoint.save, torch.optim.AdamW.step)
     def rec_forward(self, idx, targets=None, n_loop=None):
         if self.training and targets is not None:
             rec['train'].append((idx.clone(), targets.clone()))
@@ -434,7 +435,7 @@ DDP_HOOKS = textwrap.dedent('''
             rec['first_eval'] = list(rec['eval'])
         return step(self, *a, **k)
     M.GPT.forward, M.GPT.exit_losses, M.GPT.__init__ = rec_forward, rec_exit_losses, rec_init
-    common.atomic_save, torch.optim.AdamW.step = rec_save, rec_step
+    checkpoint.save, torch.optim.AdamW.step = rec_save, rec_step
     sys.argv = ['train.py'] + sys.argv[1:]
     try:
         runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
@@ -488,7 +489,7 @@ def test_ddp_two_cpu_processes_match_one_process_on_the_same_global_batch(tmp_pa
     # one process, the same 4 micro-batches as one global batch: mean of their losses
     from model import GPT
     ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
-    model = GPT(common.model_config(ckpt['model_args']))
+    model = GPT(configurator.gpt_config(ckpt['model_args']))
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(d0['params'][n])
@@ -509,3 +510,23 @@ def test_ddp_two_cpu_processes_match_one_process_on_the_same_global_batch(tmp_pa
     assert d0['saves'] == 1 and d1['saves'] == 0
     assert [m['iter'] for m in read_metrics(tmp_path / 'out' / 'metrics.jsonl')] == [0, 2]
     assert r.stdout.count('step 2:') == 1 and r.stdout.count('saving checkpoint') == 1
+
+
+@pytest.mark.parametrize('nproc,accum', [(2, 1), (3, 2)])
+def test_torchrun_runs_for_any_process_count_and_rounds_the_global_batch_up(tmp_path, nproc, accum):
+    # nanoGPT's convention: gradient_accumulation_steps micro-batches per step over all ranks; a count that
+    # does not divide it rounds up (3 processes, 2 micro-batches: 1 each, 3 in all) instead of failing
+    write_data(tmp_path)
+    args = [*TINY, f'--gradient_accumulation_steps={accum}', '--max_iters=2', '--eval_interval=2',
+            '--out_dir=out']
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                        f'--nproc_per_node={nproc}', TRAIN, *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env=cli_env())
+    if r.returncode != 0 and torchrun_unavailable():
+        pytest.skip(torchrun_unavailable())
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_rank = -(-accum // nproc)
+    assert (f"rounded up to {per_rank * nproc}" in r.stdout) == (per_rank * nproc != accum)
+    assert f"{nproc} process(es)" in r.stdout and r.stdout.count('step 2:') == 1
+    tokens = read_metrics(tmp_path / 'out' / 'metrics.jsonl')[-1]['tokens']
+    assert tokens == 2 * per_rank * nproc * 4 * 16  # iterations x micro-batches x batch_size x block_size

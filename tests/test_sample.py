@@ -79,7 +79,7 @@ def greedy_by_hand(model, ids, n_new, n_loop):
     x = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n_new):
-            h = model.loop_states(x[:, -model.config.block_size:], n_loop)[-1]
+            h = model.states(x[:, -model.config.block_size:], n_loop)[-1]
             x = torch.cat((x, model.readout(h[:, -1:], n_loop).argmax(-1)), dim=1)
     return x[0].tolist()
 
@@ -120,7 +120,7 @@ def test_without_data_the_checkpoint_copy_of_the_tokenizer_decodes(tiny_ckpt, tm
     assert out.count('ROMEO:') == 2
 
 
-def test_gpt2_checkpoint_with_padded_vocab_decodes(shared_dir, tmp_path, monkeypatch):
+def test_gpt2_checkpoint_with_padded_vocab_decodes(offline_data, tmp_path, monkeypatch):
     # GPT-2 BPE data (vocab 50257) and a model padded to 50304 as nanoGPT does: accepted, and decodable
     from prepare import prepare
     (tmp_path / 'bpe.txt').write_text('To be, or not to be, that is the question.\n' * 40, encoding='utf-8')
@@ -170,7 +170,7 @@ def bad_setups(tmp_path, tiny_ckpt):
     (['--top_k=many'], "--top_k: invalid int value: 'many'"),
     (['--num_samples=0'], '--num_samples=0: must be >= 1'),
     (['--n_loop=0'], '--n_loop=0: must be >= 1'),
-    (['--exit_policy=entropy'], "invalid choice: 'entropy'"),
+    (['--exit_policy=confidence'], "invalid choice: 'confidence'"),
     (['--device=gpu0'], '--device=gpu0: not a torch device'),
 ])
 def test_bad_input_is_one_line_error(tmp_path, tiny_ckpt, monkeypatch, args, says):

@@ -7,6 +7,7 @@ line would: a clean error is a SystemExit(1) with one line on stderr, anything e
 A few tests start real subprocesses to pin the command line itself.
 """
 import contextlib
+import functools
 import glob
 import io
 import json
@@ -94,7 +95,12 @@ def read_metrics(path):
         return [json.loads(line) for line in f]
 
 
-from configurator import train_defaults  # train.py's config globals, read without running it
+@functools.lru_cache(maxsize=1)
+def train_defaults():
+    """Every config key with its default, as train.py itself resolves them (its globals + GPTConfig)."""
+    r = run_cli(['--print_config=True'], REPO)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 # -----------------------------------------------------------------------------
@@ -139,7 +145,7 @@ def test_eval_block_reports_ce_at_every_exit_and_norm_of_every_loop(tmp_path):
 def test_every_config_file_runs_two_iterations(config_file, tmp_path):
     # GPU presets too: the tiny overrides come after the file, so size, data and device are local and small
     write_data(tmp_path)
-    code, out, err = run_train([config_file, *TINY, '--vocab_size=0', '--max_iters=2', '--eval_interval=2',
+    code, out, err = run_train([config_file, *TINY, '--max_iters=2', '--eval_interval=2',
                                 '--out_dir=out'], tmp_path)
     assert code == 0, err
     assert 'step 2:' in out
@@ -173,13 +179,12 @@ def test_override_values_are_typed_like_their_defaults():
     import configurator
     d = train_defaults()
     c, _ = configurator.configure(d, ['--learning_rate=3', '--dataset=wikitext103', '--compile=True',
-                                      '--depth_scaling=0.3', '--exit_weights=(1, 2)', '--n_layer=3'])
+                                      '--depth_scaling=0.3', '--n_layer=3'])
     # an int is accepted where a float is expected
     assert c['learning_rate'] == 3.0 and isinstance(c['learning_rate'], float)
     assert c['dataset'] == 'wikitext103'            # not a Python literal: taken as a string
     assert c['compile'] is True and c['n_layer'] == 3
     assert c['depth_scaling'] == 0.3                # a number, or a name
-    assert c['exit_weights'] == (1.0, 2.0)          # a tuple of floats
     c, _ = configurator.configure(d, ['--depth_scaling=deeploop'])
     assert c['depth_scaling'] == 'deeploop'
 
@@ -201,21 +206,25 @@ def test_lr_schedules_constant_and_warmup_cosine(tmp_path):
     assert np.allclose(lrs, expect, rtol=1e-9)
 
 
-def test_default_run_prepares_missing_shakespeare_char(tmp_path):
-    # no data/ folder: the embedded default prepares shakespeare_char itself (offline copy in ../shared)
-    if not os.path.isfile(os.path.join(REPO, '..', 'shared', 'data', 'tinyshakespeare', 'input.txt')):
-        pytest.skip("../shared/data/tinyshakespeare/input.txt not found: preparing would need the network")
+def test_default_run_downloads_and_prepares_missing_shakespeare_char(tmp_path, monkeypatch):
+    # no data/ folder: the embedded default downloads tinyshakespeare once and prepares it; the download
+    # is served from a local file:// URL here (urllib reads both), so the real path runs offline
+    import prepare
+    text = TEXT * 40
+    (tmp_path / 'input.txt').write_text(text, encoding='utf-8')
+    monkeypatch.setattr(prepare, 'SHAKESPEARE_URL', (tmp_path / 'input.txt').as_uri())
     tiny = [a for a in TINY if not a.startswith('--dataset')]
     code, out, err = run_train([*tiny, '--max_iters=1', '--eval_interval=1', '--out_dir=out'], tmp_path)
     assert code == 0, err
-    assert 'preparing it' in out and 'step 1:' in out
-    assert (tmp_path / 'data' / 'shakespeare_char' / 'meta.json').is_file()
-    assert json.loads((tmp_path / 'data' / 'shakespeare_char' / 'meta.json').read_text())['vocab_size'] == 65
+    assert 'preparing it' in out and 'downloading' in out and 'step 1:' in out
+    meta = json.loads((tmp_path / 'data' / 'shakespeare_char' / 'meta.json').read_text())
+    assert meta['vocab_size'] == len(set(text)) and meta['tokenizer'] == 'char'
+    assert (tmp_path / 'data' / 'shakespeare_char' / 'input.txt').read_text(encoding='utf-8') == text
 
 
 def test_per_loop_rmsnorm_default_shows_growing_loop_norms(tmp_path):
     # the embedded default is paper 1's blind-spot setting (per-loop CE, RMSNorm readout, reference init);
-    # even a few dozen steps at d 32 show ||h_k|| growing with k and with training (papers.md §1)
+    # even a few dozen steps at d 32 show ||h_k|| growing with k and with training (docs/papers.md §1)
     write_data(tmp_path)
     args = ['--n_layer=1', '--n_loop=4', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=8',
             '--eval_iters=2', '--device=cpu', '--dataset=tiny', '--max_iters=40', '--eval_interval=40',
