@@ -87,6 +87,47 @@ def test_resume_with_architecture_change_names_every_differing_key(run_dir):
     assert snapshot(run_dir / 'out' / 'ckpt.pt') == before
 
 
+def make_previous_version(path):
+    """The checkpoint as the previous model.py wrote it: its config had bias, tie_weights and exit_weights
+    (always False, True and () in practice) and train.py's vocab_size=0 meant 'from meta.json'."""
+    ckpt = torch.load(path, weights_only=True)
+    ckpt['model_args'].update(bias=False, tie_weights=True, exit_weights=())
+    ckpt['config'].update(bias=False, tie_weights=True, exit_weights=(), vocab_size=0)
+    torch.save(ckpt, path)
+    return ckpt
+
+
+def test_a_checkpoint_of_the_previous_version_loads_samples_and_resumes(run_dir):
+    ckpt = make_previous_version(run_dir / 'out' / 'ckpt.pt')
+    model = checkpoint.build_model(checkpoint.load(str(run_dir / 'out' / 'ckpt.pt')))
+    assert model_tensors_equal(model.state_dict(), ckpt['model'])
+    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=3'], run_dir)
+    assert code == 0, err
+    assert torch.load(run_dir / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] == 3
+
+
+def test_a_checkpoint_with_a_retired_setting_is_refused_in_one_line(run_dir, capsys):
+    path = run_dir / 'out' / 'ckpt.pt'
+    ckpt = make_previous_version(path)
+    ckpt['model_args']['bias'] = True
+    torch.save(ckpt, path)
+    with pytest.raises(SystemExit):
+        checkpoint.load(str(path))
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'bias=True' in err and 'no longer implements' in err
+
+
+def test_print_config_shows_the_resolved_config_and_touches_nothing(tmp_path):
+    # no data, no out_dir: only the configurator runs
+    r = run_cli(['config/deeploop.py', '--n_loop=8', '--print_config=True'], REPO)
+    assert r.returncode == 0, r.stderr
+    config = json.loads(r.stdout)
+    assert config['block'] == 'sandwich' and config['depth_scaling'] == 'deeploop' and config['n_loop'] == 8
+    assert config['learning_rate'] == 1e-3 and config['n_layer'] == 2  # train.py's and GPTConfig's defaults
+    r = run_cli(['--print_config=True', '--n_loop=0'], tmp_path)
+    assert r.returncode == 1 and r.stderr.startswith('error: n_loop=0') and not list(tmp_path.iterdir())
+
+
 def test_resume_takes_the_checkpoint_config_and_prints_schedule_changes(run_dir):
     # no size flags: the architecture comes from the checkpoint, not from train.py's defaults
     code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=3',
