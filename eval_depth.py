@@ -20,6 +20,8 @@ On n_seqs validation windows of the training context length it reports, on stdou
                    rescaled to loop 1's per-token RMS: what the norm growth is worth to the predictions
   radial gradient  |<dL/dh, h>| / (||dL/dh|| ||h||) per token at each loop state, through exit k's readout
   fraction         alone (Lemma 1: ~0 for RMSNorm/LayerNorm readouts) and for the whole training loss
+  visit alignment  kappa_R of every shared matrix: how far the R visits' gradients point the same way
+                   (docs/papers.md §2)
 """
 import json
 import math
@@ -28,6 +30,7 @@ import time
 
 import numpy as np
 import torch
+import torch.nn as nn
 from torch.nn import functional as F
 
 import checkpoint
@@ -228,6 +231,61 @@ def radial_gradient(model, X, Y, batch_size):
     return (readout_frac / n).tolist(), (total_frac / n).tolist()
 
 # -----------------------------------------------------------------------------
+# visit alignment kappa_R (docs/papers.md §2: the quantity DeepLoop's exponent rests on)
+
+def kappa(grads):
+    """kappa_R = ||sum_r G_r||_F^2 / sum_r ||G_r||_F^2 of the R per-visit gradients of one shared matrix:
+    R when the visits push it the same way, 1 when their pushes are orthogonal, 0 when they cancel.
+    None when every G_r is zero (the matrix gets no gradient)."""
+    total = sum(g.double().pow(2).sum() for g in grads)
+    return float(sum(g.double() for g in grads).pow(2).sum() / total) if total > 0 else None
+
+
+class PerVisit(nn.Module):
+    """Stands in for one shared block during a diagnostic pass: visit r (the r-th loop) runs the block with
+    its own copy of the weights, so the copies' gradients are the per-visit gradients G_r."""
+
+    def __init__(self, block, n_loop):
+        super().__init__()
+        self.block, self.visit = block, 0
+        self.copies = [{name: p.detach().clone().requires_grad_(True) for name, p in block.named_parameters()}
+                       for _ in range(n_loop)]
+
+    def forward(self, *args):
+        params = self.copies[self.visit]
+        self.visit += 1
+        return torch.func.functional_call(self.block, params, args)
+
+
+def visit_gradients(model, X, Y):
+    """{'h.<j>.<param>': [G_1, ..., G_R]} for every matrix of the K shared blocks: the gradients of the
+    training loss (model.loss) on batch (X, Y) through each of the R visits. Their sum is the model's own
+    gradient. The model is left as it was."""
+    blocks = model.transformer.h
+    per_visit = [PerVisit(block, model.config.n_loop) for block in blocks]
+    model.transformer.h = nn.ModuleList(per_visit)  # the loop now calls the stand-ins
+    try:
+        with torch.enable_grad():
+            loss = model.loss(model.states(X), Y)
+            names = [(j, name) for j, pv in enumerate(per_visit)
+                     for name, w in pv.copies[0].items() if w.dim() == 2]
+            flat = [per_visit[j].copies[r][n] for j, n in names for r in range(model.config.n_loop)]
+            grads = torch.autograd.grad(loss, flat, allow_unused=True)
+    finally:
+        model.transformer.h = blocks
+    R = model.config.n_loop
+    zero = lambda t, g: torch.zeros_like(t) if g is None else g
+    return {f'h.{j}.{n}': [zero(flat[i * R + r], grads[i * R + r]) for r in range(R)]
+            for i, (j, n) in enumerate(names)}
+
+
+def visit_alignment(model, X, Y):
+    """kappa_R of every shared matrix on batch (X, Y), and their mean (matrices with no gradient skipped)."""
+    per_matrix = {name: kappa(grads) for name, grads in visit_gradients(model, X, Y).items()}
+    values = [v for v in per_matrix.values() if v is not None]
+    return dict(per_matrix=per_matrix, mean=sum(values) / len(values) if values else None)
+
+# -----------------------------------------------------------------------------
 # the whole evaluation
 
 def val_windows(data_dir, meta, T, n_seqs):
@@ -302,9 +360,10 @@ def evaluate(model, X, Y, batch_size=16, tol=1.01, policy='margin', n_grad_seqs=
         cc, _, cnorms = exit_stats(model, X, Y, R, batch_size, clamp=c)
         res['clamp'][c] = dict(ce=cc.mean(0).tolist(), dce=(cc.mean(0) - ce.mean(0)).tolist(),
                                norm=cnorms.tolist())
-    # radial gradient fraction on the first n_grad_seqs windows
+    # radial gradient fraction and visit alignment on the first n_grad_seqs windows
     rf, tf = radial_gradient(model, X[:n_grad_seqs], Y[:n_grad_seqs], batch_size)
     res['radial_frac'] = dict(readout=rf, total=tf)
+    res['kappa'] = visit_alignment(model, X[:n_grad_seqs], Y[:n_grad_seqs])
     return res
 
 
@@ -327,6 +386,12 @@ def print_report(res, title):
     print("radial gradient fraction |<dL/dh,h>| / (|dL/dh| |h|), mean over tokens")
     print(row("exit k's CE via its readout", res['radial_frac']['readout'], '.1e'))
     print(row('training loss (total)', res['radial_frac']['total'], '.1e'))
+    kap = res['kappa']
+    if kap['mean'] is not None:
+        print(f"visit alignment kappa_R = ||sum_r G_r||^2 / sum_r ||G_r||^2 of the shared matrices (R = {R}: "
+              f"1 = orthogonal visits, {R} = aligned): mean {kap['mean']:.3f}, range "
+              f"{min(v for v in kap['per_matrix'].values() if v is not None):.3f}.."
+              f"{max(v for v in kap['per_matrix'].values() if v is not None):.3f}")
     cal = res['calibrated']
     if res['adaptive']:
         a = res['adaptive'][cal['policy']]

@@ -189,3 +189,42 @@ def test_cli_writes_table_and_json(tiny_ckpt, tiny_data, capsys):
     cal = res['calibrated']['margin']
     assert cal['cal_ppl'] <= 1.01 * res['calibrated']['fixed_ppl_cal'] + 1e-9
     assert res['throughput']['fixed']['tok_per_s'] > 0
+
+
+# ---------------------------------------------------------------- visit alignment kappa_R (docs/papers.md §2)
+
+def test_kappa_is_R_for_aligned_visits_one_for_orthogonal_and_zero_for_cancelling():
+    g = torch.randn(4, 3)
+    assert ed.kappa([g, g, g]) == pytest.approx(3.0)
+    e1, e2 = torch.zeros(2, 2), torch.zeros(2, 2)
+    e1[0, 0], e2[1, 1] = 1.0, 5.0
+    assert ed.kappa([e1, e2]) == pytest.approx(1.0)
+    assert ed.kappa([g, -g]) == pytest.approx(0.0) and ed.kappa([0 * g, 0 * g]) is None
+
+
+def test_per_visit_gradients_sum_to_the_models_own_gradient():
+    model = tiny(n_loop=3, n_layer=2)
+    X, Y = batch()
+    per_visit = ed.visit_gradients(model, X, Y)
+    _, loss = model(X, Y)
+    loss.backward()
+    params = dict(model.named_parameters())
+    assert len(per_visit) == 2 * 4 and all(len(g) == 3 for g in per_visit.values())  # K = 2 blocks x 4
+    for name, grads in per_visit.items():
+        torch.testing.assert_close(sum(grads), params['transformer.' + name].grad, rtol=1e-5, atol=1e-7)
+    assert not isinstance(model.transformer.h[0], ed.PerVisit)  # the stand-ins are gone
+
+
+def test_kappa_is_R_when_every_visit_sees_the_same_input():
+    # zero output projections make every block the identity: all R visits see the same input and, under
+    # terminal supervision, pass back the same gradient, so the projections' R pushes are identical
+    model = tiny(n_loop=4, n_layer=2, supervision='terminal')
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+    X, Y = batch()
+    kap = ed.visit_alignment(model, X, Y)['per_matrix']
+    for j in range(2):
+        assert kap[f'h.{j}.attn.c_proj.weight'] == pytest.approx(4.0, rel=1e-5)
+        assert kap[f'h.{j}.mlp.c_proj.weight'] == pytest.approx(4.0, rel=1e-5)
