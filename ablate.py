@@ -21,7 +21,9 @@ A run's train.py arguments are: the base config file(s), the arm's config files,
 overrides, --seed and --out_dir, then every --set. train.py itself resolves them (--print_config=True), so
 ablate.py holds no copy of the config schema. Runs go to <out>/<arm>-s<seed>/ (train.log, eval.log,
 metrics.jsonl, eval_depth.json, status.json); a finished run (status.json says so) is skipped on the next
-call, an interrupted one is resumed. matplotlib is optional: without it the plots are skipped with a message.
+call, an interrupted one (a crash, or a signal that stopped train.py) is resumed. Each finished run prints
+`[runs done/total, time so far, ETA]`. matplotlib is optional: without it the plots are skipped with a
+message.
 """
 import contextlib
 import io
@@ -41,7 +43,7 @@ import torch
 
 import configurator
 from configurator import gpt_config, model_keys
-from errors import Parser, die
+from errors import Parser, die, duration
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -225,17 +227,18 @@ def call_logged(cmd, log_path, mode, popen_kwargs):
 
 
 def train(job, launcher, popen_kwargs):
-    """Train one run, resuming from its checkpoint if there is one; returns its new status."""
+    """Train one run, resuming from its checkpoint if there is one (init_from=auto); returns its new status:
+    done, failed, or stopped (a signal stopped train.py early with a checkpoint: the next call resumes it)."""
     run_dir = job['out_dir']
     os.makedirs(run_dir, exist_ok=True)
-    cmd = launcher + [os.path.join(REPO, 'train.py')] + job['args']
-    if os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
-        cmd.append('--init_from=resume')
+    cmd = launcher + [os.path.join(REPO, 'train.py')] + job['args'] + ['--init_from=auto']
     t0 = time.time()
     log_path = os.path.join(run_dir, 'train.log')
     rc = call_logged(cmd, log_path, 'a', popen_kwargs)
-    return dict(train='done' if rc == 0 else 'failed', rc=rc, train_seconds=round(time.time() - t0, 1),
-                error=None if rc == 0 else last_line(log_path))
+    rows = read_metrics(run_dir)
+    finished = rc == 0 and bool(rows) and rows[-1].get('iter', -1) >= job['cfg']['max_iters']
+    return dict(train='done' if finished else 'stopped' if rc == 0 else 'failed', rc=rc,
+                train_seconds=round(time.time() - t0, 1), error=None if finished else last_line(log_path))
 
 
 def evaluate(run_dir, eval_args, popen_kwargs):
@@ -263,30 +266,47 @@ def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False):
     run_dir = job['out_dir']
     status = read_status(run_dir)
     slot = slots.free.get()
-    t0 = time.time()
+    t0, worked = time.time(), False
     try:
         popen_kwargs = slots.popen_kwargs(slot)
         if status.get('train') != 'done':
-            status = train(job, launcher, popen_kwargs)
+            status, worked = train(job, launcher, popen_kwargs), True
             write_status(run_dir, status)
-        wants_eval = do_eval and (status.get('eval') != 'done' or reeval)
+        wants_eval = do_eval and status.get('train') != 'stopped' and (status.get('eval') != 'done' or reeval)
         if wants_eval and os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
             status.update(evaluate(run_dir, eval_args, popen_kwargs))
             write_status(run_dir, status)
+            worked = True
     finally:
         slots.free.put(slot)
-    log(run_summary(job, status) + f" [{time.time() - t0:.0f}s]")
+    seconds = time.time() - t0
+    log(job, run_summary(job, status) + f" [{seconds:.0f}s]", seconds if worked else None)
     return status
 
 
-def progress_logger(n_jobs, t0):
-    """log(msg): one numbered line per finished run, safe to call from the worker threads."""
-    lock, done = threading.Lock(), [0]
+def cost(job):
+    """A run's relative cost: loops x iterations (to order the runs and to estimate the time left)."""
+    return job['cfg']['n_loop'] * job['cfg']['max_iters']
 
-    def log(msg):
+
+def progress_logger(jobs, n_workers, t0):
+    """log(job, msg, seconds): one line per finished run, `[runs done/total, time so far, ETA]`, safe to
+    call from the worker threads. seconds: what the run took, None if an earlier call had finished it. The
+    ETA spreads the cost of the runs not finished over the workers, at the seconds per unit of cost that
+    the runs of this call took (runs in progress count as not started, so it errs on the long side)."""
+    lock, done, left = threading.Lock(), [0], [sum(cost(j) for j in jobs)]
+    spent = [0.0, 0]  # seconds and cost of the runs this call ran
+
+    def log(job, msg, seconds):
         with lock:
             done[0] += 1
-            print(f"[{done[0]}/{n_jobs} {time.time() - t0:6.0f}s] {msg}", flush=True)
+            left[0] -= cost(job)
+            if seconds is not None:
+                spent[0], spent[1] = spent[0] + seconds, spent[1] + cost(job)
+            eta = ''
+            if spent[1] and left[0]:
+                eta = f", ETA {duration(left[0] * spent[0] / spent[1] / n_workers)}"
+            print(f"[{done[0]}/{len(jobs)} runs, {duration(time.time() - t0)}{eta}] {msg}", flush=True)
     return log
 
 
@@ -300,9 +320,8 @@ def run_sweep(jobs, preset, launcher, args):
     t0 = time.time()
     n_workers = args.workers or default_workers(args)
     slots = Slots(n_workers, args.gpus_per_worker)
-    log = progress_logger(len(jobs), t0)
-    # the most expensive runs first, so that the workers finish together
-    order = sorted(jobs, key=lambda j: -j['cfg']['n_loop'] * j['cfg']['max_iters'])
+    log = progress_logger(jobs, n_workers, t0)
+    order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive runs first: the workers finish together
     print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {len(slots.cores[0])}; "
           f"runs in {args.out}/", flush=True)
     eval_args = shlex.split(args.eval_args)

@@ -24,14 +24,23 @@ def save(obj, path):
     A kill -9 or a full disk halfway through torch.save would truncate the checkpoint in place and lose the
     run. So we write a temporary file in the same folder (same filesystem, so the rename is atomic), flush
     and fsync it to disk, and only then os.replace it over the old one: at every instant `path` holds either
-    the previous complete checkpoint or the new complete one.
+    the previous complete checkpoint or the new complete one. If the write fails (a full disk, an unwritable
+    folder) the error propagates, `path` is untouched and the partial temporary file is removed, so that it
+    holds no disk space.
     """
     tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass  # never created (an unwritable folder): the original error is the one to report
+        raise
     try:  # make the rename itself durable (POSIX; not possible on every platform)
         fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         try:

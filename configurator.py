@@ -130,10 +130,10 @@ def configure(defaults, argv):
 # -----------------------------------------------------------------------------
 # ranges of train.py's own keys (GPTConfig checks the model keys)
 
-TRAIN_CHOICES = dict(init_from=('scratch', 'resume'), lr_schedule=('constant', 'cosine'),
+TRAIN_CHOICES = dict(init_from=('scratch', 'resume', 'auto'), lr_schedule=('constant', 'cosine'),
                      dtype=('auto', 'float32', 'bfloat16', 'float16'))
 AT_LEAST_ONE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_iters', 'log_interval',
-                'max_bad_steps', 'lr_decay_iters')
+                'max_bad_steps', 'lr_decay_iters', 'max_failed_saves', 'collective_timeout')
 NON_NEGATIVE = ('max_iters', 'warmup_iters', 'learning_rate', 'min_lr', 'weight_decay', 'grad_clip')
 
 

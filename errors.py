@@ -1,5 +1,5 @@
 """
-One-line errors for bad input, used by every script.
+One-line errors for bad input, used by every script (and `duration`, the time format of progress lines).
 
 A bad config value, flag, data file or checkpoint stops with one line on stderr (`error: ...`) and exit
 code 1: no traceback, and never after touching a checkpoint that is already on disk.
@@ -20,6 +20,16 @@ def first_line(e):
     """An exception as one short line: its type and the first line of its message."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0].split('. ')[0][:200]}" if text else type(e).__name__
+
+
+def duration(seconds):
+    """Seconds as a short duration for progress lines: 42s, 4m10s, 3h05m."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class Parser(argparse.ArgumentParser):

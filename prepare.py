@@ -16,6 +16,7 @@ encode/decode; train.py calls `prepare(...)` when data/shakespeare_char is missi
 import itertools
 import json
 import os
+import re
 import urllib.request
 
 import numpy as np
@@ -82,22 +83,54 @@ def read_text(path):
     except UnicodeDecodeError as e:
         die(f"--input {path}: not UTF-8 text ({e.reason} at byte {e.start})")
 
+def download(url, path):
+    """url -> path, read in 64 KiB chunks with a progress bar (bytes, of the size the server announces)."""
+    from tqdm import tqdm
+    with urllib.request.urlopen(url, timeout=30) as r, open(path, 'wb') as f:
+        total = int(r.headers.get('Content-Length') or 0) or None
+        with tqdm(total=total, unit='B', unit_scale=True, desc=os.path.basename(url)) as bar:
+            while chunk := r.read(1 << 16):
+                f.write(chunk)
+                bar.update(len(chunk))
+
 def shakespeare_path(out_dir, dataset):
     """out_dir/<dataset>/input.txt, downloaded once from SHAKESPEARE_URL (as nanoGPT does)."""
     path = os.path.join(out_dir, dataset, 'input.txt')
     if not os.path.isfile(path):
         print(f"downloading {SHAKESPEARE_URL}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
-                data = r.read()
+            download(SHAKESPEARE_URL, path + '.tmp')  # under its real name only once complete
         except (OSError, ValueError) as e:
             die(f"could not download tinyshakespeare from {SHAKESPEARE_URL} ({first_line(e)}); offline, pass "
                 f"--input PATH to a copy of input.txt")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + '.tmp', 'wb') as f:
-            f.write(data)
         os.replace(path + '.tmp', path)
     return path
+
+# -----------------------------------------------------------------------------
+# tokenizing a long text piece by piece, with a progress bar
+
+# a newline between two non-space characters. GPT-2's pre-tokenizer always splits on both sides of it, so
+# encoding the text cut there, piece by piece, gives exactly the ids of encoding it whole. Cutting after
+# any newline would not: a run of newlines ('\n\n' is one token) or spaces before one would split differently.
+SAFE_CUT = re.compile(r'(?<=\S\n)(?=\S)')
+
+def pieces(text, size):
+    """text in consecutive pieces of at least `size` characters (the last may be shorter), cut at SAFE_CUT."""
+    start = 0
+    while start < len(text):
+        cut = SAFE_CUT.search(text, start + size)
+        end = cut.start() if cut else len(text)
+        yield text[start:end]
+        start = end
+
+def encode_pieces(encode, text, desc, size=1 << 22):
+    """encode(text) as consecutive id lists, one per piece; a progress bar for texts longer than a piece."""
+    from tqdm import tqdm
+    with tqdm(total=len(text), desc=desc, unit='char', unit_scale=True, disable=len(text) <= size) as bar:
+        for piece in pieces(text, size):
+            yield encode(piece)
+            bar.update(len(piece))
 
 # -----------------------------------------------------------------------------
 # writing token files
@@ -165,15 +198,17 @@ def prepare_text(dataset, text, tokenizer, out_dir, val_fraction):
     if not train_text or not val_text:
         die(f"{dataset}: {n} characters leave the {'val' if train_text else 'train'} split empty; "
             f"give more text or change --val_fraction")
+    itos = None
     if tokenizer == 'char':
         itos = sorted(set(text))                  # the vocabulary is every character that occurs
         stoi = {ch: i for i, ch in enumerate(itos)}
-        encode = lambda s: [stoi[c] for c in s]
-        return write_dataset(dataset, out_dir, 'char', len(itos),
-                             {'train': [encode(train_text)], 'val': [encode(val_text)]}, itos=itos)
-    enc = gpt2_encoding()
-    return write_dataset(dataset, out_dir, 'gpt2', enc.n_vocab,
-                         {'train': [enc.encode_ordinary(train_text)], 'val': [enc.encode_ordinary(val_text)]})
+        encode, vocab_size = (lambda s: [stoi[c] for c in s]), len(itos)
+    else:
+        enc = gpt2_encoding()
+        encode, vocab_size = enc.encode_ordinary, enc.n_vocab
+    splits = {'train': encode_pieces(encode, train_text, f'{dataset} train'),
+              'val': encode_pieces(encode, val_text, f'{dataset} val')}
+    return write_dataset(dataset, out_dir, tokenizer, vocab_size, splits, itos=itos)
 
 # -----------------------------------------------------------------------------
 # reading what this file wrote: train.py, sample.py and eval_depth.py check the data here, once

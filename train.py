@@ -10,6 +10,7 @@ readout blind spot appears (docs/papers.md §1): watch ||h_k|| grow in the eval 
     python train.py config/paper_44m.py config/loop_raw.py     # a GPU preset + an arm (files apply in order)
     python train.py config/loop_raw.py --max_iters=500 --lr_schedule=cosine
     python train.py --init_from=resume --max_iters=6000        # continue out/ckpt.pt where it stopped
+    python train.py config/paper_44m.py --init_from=auto       # resume if out/ckpt.pt exists, else start
     python train.py config/deeploop.py --print_config=True     # the resolved config as JSON, then exit
 
 DDP, e.g. 4 GPUs on one node (CPU processes work too, with the gloo backend):
@@ -17,15 +18,23 @@ DDP, e.g. 4 GPUs on one node (CPU processes work too, with the gloo backend):
 
 Every eval_interval it prints train/val cross-entropy at every exit 1..R and the mean per-token norm
 ||h_k|| of every loop state, and appends them to out_dir/metrics.jsonl (one JSON object per eval).
+
+On a cluster: SIGTERM or SIGUSR1 stops the run after the current step with a checkpoint and exit code 0
+(rerun the same command with --init_from=auto to continue bit for bit); a failed checkpoint write is retried
+at the next eval; under DDP a dead or stalled rank ends the job after at most collective_timeout seconds.
 """
 
+import atexit
+import gc
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -34,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import configurator
-from errors import die, first_line
+from errors import die, duration, first_line
 from model import GPT, GPTConfig
 from prepare import open_data
 
@@ -47,7 +56,8 @@ log_interval = 50                # print the training loss every this many itera
 eval_iters = 10                  # batches per split per evaluation (the same batches every time)
 eval_only = False                # evaluate once and exit
 always_save_checkpoint = True    # save at every eval, not only when the val loss improves
-init_from = 'scratch'            # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = 'scratch'            # 'scratch', 'resume' (from out_dir/ckpt.pt), or 'auto': resume if out_dir
+                                 # holds ckpt.pt, else scratch (a requeued job reruns the same command)
 print_config = False             # print the resolved config as one JSON line and exit (what ablate.py reads)
 # wandb logging
 wandb_log = False                # wandb is imported only when this is on
@@ -73,6 +83,10 @@ lr_decay_iters = 2000            # cosine: reaches min_lr here, ~= max_iters per
 min_lr = 1e-4                    # cosine: final learning rate, ~= learning_rate/10 per Chinchilla
 # reliability
 max_bad_steps = 10               # stop after this many consecutive steps with a non-finite loss or gradient
+max_failed_saves = 3             # a failed checkpoint write (full disk) is retried at the next eval; stop
+                                 # after this many failures in a row
+collective_timeout = 600         # DDP: seconds a collective waits for a dead or stalled rank before the run
+                                 # stops (longer than a checkpoint write, which the others wait for)
 # system
 device = 'auto'                  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
 dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 (or fp16) on CUDA, else fp32
@@ -85,6 +99,9 @@ defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
 config, explicit = configurator.configure(defaults, sys.argv[1:])  # config files, then --key=value
 ckpt_path = os.path.join(config['out_dir'], 'ckpt.pt')
 ckpt, resume_changes = None, []
+auto_scratch = config['init_from'] == 'auto' and not os.path.exists(ckpt_path)
+if config['init_from'] == 'auto':  # a requeued job: continue if an earlier attempt left a checkpoint
+    config['init_from'] = 'scratch' if auto_scratch else 'resume'
 if config['init_from'] == 'resume':
     # the checkpoint's config is the base; only what this command sets explicitly overrides it
     ckpt = checkpoint.load(ckpt_path)
@@ -116,7 +133,19 @@ if ddp:
     if device_type == 'cuda':
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
-    dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo')
+    # a rank that dies or stalls makes the others' next collective fail after at most this timeout
+    dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo',
+                            timeout=timedelta(seconds=collective_timeout))
+
+    @atexit.register
+    def end_process_group():
+        """On every way out (done, a stop signal, an error): drop the DDP wrapper, which holds the process
+        group, and destroy the group while Python is still whole. A gloo thread left running into the
+        interpreter's shutdown can abort the process ('terminate called without an active exception')."""
+        globals().pop('model', None)
+        gc.collect()
+        dist.destroy_process_group()
+
 # nanoGPT's convention: gradient_accumulation_steps counts the micro-batches of one optimizer step over all
 # ranks, so the global batch does not depend on the process count; each rank runs its share, rounded up
 micro_steps = math.ceil(gradient_accumulation_steps / world_size)  # micro-batches per rank per step
@@ -147,6 +176,25 @@ if master_process:
               f"{micro_steps * world_size}: {micro_steps} per process on {world_size} processes")
     for change in resume_changes:
         print(f"resume: {change}")
+    if auto_scratch:
+        print(f"init_from=auto: no {ckpt_path} yet, starting from scratch")
+
+# -----------------------------------------------------------------------------
+# preemption: a scheduler sends SIGTERM (or SIGUSR1 some time before the kill) and allows a grace period.
+# The handler only notes the signal. The training loop reads the note after each step, inside the step's
+# all-reduce, so all ranks stop after the same step even if the signal reached them at different times;
+# then rank 0 saves and the run exits 0 (stop_at_signal). A second signal only notes again: it cannot
+# interrupt the save, which is atomic anyway.
+
+stop_signal = None  # the name of the first stop signal this process received
+
+def on_stop_signal(signum, frame):
+    global stop_signal
+    stop_signal = stop_signal or signal.Signals(signum).name
+
+for name in ('SIGTERM', 'SIGUSR1'):
+    if hasattr(signal, name):  # SIGUSR1 does not exist on Windows
+        signal.signal(getattr(signal, name), on_stop_signal)
 
 # -----------------------------------------------------------------------------
 # data
@@ -201,6 +249,7 @@ if ckpt is not None:
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 iter_num, best_val_loss, bad_total = 0, float('inf'), 0
+saved_iter, skip_eval_at = None, None  # the iteration out_dir/ckpt.pt holds; one not to evaluate again
 train_gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # this rank's training batches
 if ckpt is not None:
     # AdamW moments come from the checkpoint; hyperparameters (betas, weight decay) from this run's config
@@ -215,6 +264,11 @@ if ckpt is not None:
         g.update(h)
     iter_num, best_val_loss = ckpt['iter_num'], float(ckpt.get('best_val_loss', float('inf')))
     bad_total = int(ckpt.get('bad_steps', 0))
+    saved_iter = iter_num
+    # a checkpoint written at an eval was evaluated and logged there; one written when a signal stopped the
+    # run was not, so this run evaluates that iteration if it is an eval iteration, as an uninterrupted one
+    if ckpt.get('evaluated', True) and not eval_only:
+        skip_eval_at = iter_num
     # every rank continues its own random streams (dropout, data order) exactly where the checkpoint left them
     rngs, data_rngs = ckpt.get('rng'), ckpt.get('data_rng')
     if ckpt.get('world_size') == world_size and isinstance(rngs, list) and isinstance(data_rngs, list):
@@ -242,6 +296,14 @@ def gather(obj):
     out = [None] * world_size if master_process else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+def from_rank0(obj):
+    """rank 0's obj on every rank; obj itself without DDP."""
+    if not ddp:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 @torch.no_grad()
 def estimate_loss():
@@ -296,25 +358,92 @@ def log_eval(it, losses, lr):
                'tokens': it * tokens_per_iter, 'bad_steps': bad_total,
                'time': round(time.time() - t_start, 3)}
     if not eval_only:
-        with open(metrics_path, 'a', encoding='utf-8') as f:
-            f.write(json.dumps(metrics) + '\n')
+        try:
+            with open(metrics_path, 'a', encoding='utf-8') as f:
+                f.write(json.dumps(metrics) + '\n')
+        except OSError as e:  # a full disk: the row is in the log above; the checkpoint save decides the rest
+            print(f"could not append to {metrics_path} ({first_line(e)})")
     if wandb_log:
         wandb.log({'iter': it, 'lr': lr, 'train/loss': metrics['train_loss'], 'val/loss': metrics['val_loss'],
                    **{f'val/ce_exit{k}': v for k, v in enumerate(losses['val_ce'], 1)},
                    **{f'norm/h{k}': v for k, v in enumerate(losses['val_norm'], 1)}})
 
-def save_checkpoint():
+def save_checkpoint(evaluated=True):
+    """Rank 0 writes out_dir/ckpt.pt. Returns None, or, on every rank, the error (one line) if the write
+    failed: a full disk or an unwritable out_dir leaves the previous checkpoint as it was."""
+    global saved_iter
     # every rank's random streams go into the checkpoint, so each rank resumes exactly where it was
     rngs, data_rngs = gather(checkpoint.rng_state()), gather(train_gen.get_state())
-    if not master_process:
-        return
-    print(f"saving checkpoint to {ckpt_path}")
-    checkpoint.save({
-        'model': raw_model.state_dict(), 'model_args': asdict(raw_model.config),
-        'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
-        'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'dataset': dataset,
-        'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'world_size': world_size, 'bad_steps': bad_total,
-    }, ckpt_path)
+    error = None
+    if master_process:
+        print(f"saving checkpoint to {ckpt_path}")
+        try:
+            checkpoint.save({
+                'model': raw_model.state_dict(), 'model_args': asdict(raw_model.config),
+                'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+                'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'dataset': dataset,
+                'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'world_size': world_size,
+                'bad_steps': bad_total, 'evaluated': evaluated,
+            }, ckpt_path)
+        except OSError as e:  # checkpoint.save is atomic: the old file is untouched, the partial one removed
+            error = first_line(e)
+    error = from_rank0(error)
+    if error is None:
+        saved_iter = iter_num
+    return error
+
+def stop_all(msg):
+    """Every rank stops here together, exit code 1; rank 0 says why in one line."""
+    if master_process:
+        die(msg)
+    sys.exit(1)
+
+def save_failed(error, stopping=None):
+    """The policy for a checkpoint that could not be written (full disk, unwritable out_dir): one line with
+    the path and the error; the previous checkpoint stays as it was. Training goes on and retries at the
+    next eval (space is often freed meanwhile, and a run that stopped would lose the steps since the last
+    save anyway); it stops, exit code 1, after max_failed_saves failures in a row, at the final save, or
+    when it was stopping anyway (`stopping` says why)."""
+    kept = f"{ckpt_path} still holds iter {saved_iter}" if saved_iter is not None else "no checkpoint yet"
+    msg = f"iter {iter_num}: could not save {ckpt_path} ({error}); {kept}"
+    if failed_saves >= max_failed_saves:
+        stopping = f"{failed_saves} failed saves in a row (max_failed_saves={max_failed_saves})"
+    elif iter_num >= max_iters:
+        stopping = "this was the final save"
+    if stopping:
+        stop_all(f"{msg}; stopping: {stopping}; free space or fix out_dir, then rerun with --init_from=auto")
+    if master_process:
+        print(f"{msg}; training goes on and retries at the next eval ({failed_saves} of "
+              f"max_failed_saves={max_failed_saves} in a row)")
+
+def stop_at_signal():
+    """All ranks agreed to stop after this step (a stop signal reached at least one of them): save where the
+    run is, say how to continue, exit 0."""
+    why = f"stopped by {stop_signal or 'a stop signal to another rank'} at iter {iter_num}"
+    error = save_checkpoint(evaluated=False)
+    if error:
+        save_failed(error, stopping=why)
+    if master_process:
+        print(f"{why}: checkpoint {ckpt_path}; continue with the same command and --init_from=auto "
+              f"(or resume)", flush=True)
+    sys.exit(0)
+
+def lost_a_rank(e):
+    """Under DDP, a rank that died (or stalled past collective_timeout) shows up in the others' next
+    collective as a RuntimeError from gloo or NCCL: each surviving rank stops with one line. Anything else
+    is a bug to see in full, so it is raised again."""
+    text = str(e).lower()
+    if not (ddp and (isinstance(e, dist.DistError) or 'gloo' in text or 'nccl' in text)):
+        raise e
+    kept = f"{ckpt_path} (iter {saved_iter}) is intact" if saved_iter is not None else "no checkpoint yet"
+    die(f"rank {rank}: a collective failed at iter {iter_num} ({first_line(e)}); another process died or "
+        f"stalled (collective_timeout={collective_timeout}s); {kept}: rerun with --init_from=auto")
+
+def eta(it):
+    """Seconds to max_iters after step `it`: the steps left at the running step time (an exponential
+    average that leaves evals out) plus the evals left at the last one's duration."""
+    evals_left = max_iters // eval_interval - it // eval_interval + (max_iters % eval_interval != 0)
+    return (max_iters - it - 1) * step_time + evals_left * eval_time
 
 @torch.no_grad()
 def nonfinite_report(X, Y):
@@ -346,20 +475,23 @@ def skip_bad_step(X, Y, lossf, grad_norm):
 # came from work the checkpoint does not hold, and will be redone); a new run starts a new file.
 metrics_path = os.path.join(out_dir, 'metrics.jsonl')
 if master_process:
-    os.makedirs(out_dir, exist_ok=True)
     rows = []
-    if init_from == 'resume' and os.path.exists(metrics_path):
-        with open(metrics_path, encoding='utf-8') as f:
-            for line in f:
-                try:
-                    if json.loads(line)['iter'] <= iter_num:
-                        rows.append(line if line.endswith('\n') else line + '\n')
-                except (ValueError, KeyError, TypeError):
-                    pass  # a line torn by a crash mid-write
-    if not eval_only:
-        with open(metrics_path + '.tmp', 'w', encoding='utf-8') as f:
-            f.writelines(rows)
-        os.replace(metrics_path + '.tmp', metrics_path)
+    try:  # an unwritable out_dir stops the run here, before any training
+        os.makedirs(out_dir, exist_ok=True)
+        if init_from == 'resume' and os.path.exists(metrics_path):
+            with open(metrics_path, encoding='utf-8') as f:
+                for line in f:
+                    try:
+                        if json.loads(line)['iter'] <= iter_num:
+                            rows.append(line if line.endswith('\n') else line + '\n')
+                    except (ValueError, KeyError, TypeError):
+                        pass  # a line torn by a crash mid-write
+        if not eval_only:
+            with open(metrics_path + '.tmp', 'w', encoding='utf-8') as f:
+                f.writelines(rows)
+            os.replace(metrics_path + '.tmp', metrics_path)
+    except OSError as e:
+        die(f"cannot write to out_dir={out_dir!r}: {first_line(e)}")
     if wandb_log:
         try:
             import wandb
@@ -370,77 +502,90 @@ if master_process:
 # -----------------------------------------------------------------------------
 # training loop
 
+bad_in_a_row, failed_saves, stop = 0, 0, False
+step_time = eval_time = 0.0  # seconds: running average of a training step, the last eval (for the ETA)
 start_iter = iter_num
-skip_eval_at = iter_num if init_from == 'resume' and not eval_only else None  # already evaluated and saved
-bad_in_a_row = 0
 t_start = t0 = time.time()
-while True:
+try:  # under DDP, a collective that fails because another rank died ends up in lost_a_rank
+    while True:
 
-    # set the learning rate for this iteration
-    lr = get_lr(iter_num)
-    for param_group in optimizer.param_groups:
-        param_group['lr'] = lr
+        # set the learning rate for this iteration
+        lr = get_lr(iter_num)
+        for param_group in optimizer.param_groups:
+            param_group['lr'] = lr
 
-    # evaluate, log and checkpoint (all ranks take part: the eval is averaged over them)
-    if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != skip_eval_at:
-        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
-            # the guard below keeps non-finite updates out; if the weights broke anyway, keep the last one
-            die(f"non-finite weights at iter {iter_num}: not saving; {ckpt_path} (last good checkpoint) is "
-                f"untouched")
-        losses = estimate_loss()
-        if master_process:
-            log_eval(iter_num, losses, lr)
-        val_loss = losses['val_ce'][-1]
-        if iter_num > start_iter and not eval_only and (val_loss < best_val_loss or always_save_checkpoint):
-            best_val_loss = min(best_val_loss, val_loss)
-            save_checkpoint()
-    if iter_num >= max_iters or eval_only:
-        break
+        # evaluate, log and checkpoint (all ranks take part: the eval is averaged over them)
+        if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != skip_eval_at:
+            if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+                # the guard below keeps non-finite updates out; if the weights broke anyway, keep the last one
+                die(f"non-finite weights at iter {iter_num}: not saving; {ckpt_path} (last good checkpoint) "
+                    f"is untouched")
+            losses = estimate_loss()
+            if master_process:
+                log_eval(iter_num, losses, lr)
+            val_loss = losses['val_ce'][-1]
+            if iter_num > 0 and not eval_only and (val_loss < best_val_loss or always_save_checkpoint):
+                best_val_loss = min(best_val_loss, val_loss)
+                error = save_checkpoint()
+                failed_saves = 0 if error is None else failed_saves + 1
+                if error:
+                    save_failed(error)
+            eval_time, t0 = time.time() - t0, time.time()  # the step time below leaves the eval out
+        if iter_num >= max_iters or eval_only:
+            break
 
-    # forward and backward over the micro-batches; the loss is divided by their number so the gradients add
-    # up to the mean over micro-batches, and DDP averages over ranks: together the mean over the global batch
-    loss_sum = torch.zeros((), device=device)
-    for micro_step in range(micro_steps):
-        X, Y = get_batch('train', train_gen)
-        # under DDP, all-reduce the gradients only on the last micro-step (the others just accumulate)
-        with model.no_sync() if ddp and micro_step < micro_steps - 1 else nullcontext():
-            with ctx:
-                _, loss = model(X, Y)
-                loss = loss / micro_steps
-            scaler.scale(loss).backward()
-        loss_sum += loss.detach().float()
-    scaler.unscale_(optimizer)  # no-op unless fp16: gradients back to their true scale before clipping
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
+        # forward and backward over the micro-batches; the loss is divided by their number so the gradients
+        # add up to the mean over micro-batches, and DDP averages over ranks: the mean over the global batch
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(micro_steps):
+            X, Y = get_batch('train', train_gen)
+            # under DDP, all-reduce the gradients only on the last micro-step (the others just accumulate)
+            with model.no_sync() if ddp and micro_step < micro_steps - 1 else nullcontext():
+                with ctx:
+                    _, loss = model(X, Y)
+                    loss = loss / micro_steps
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach().float()
+        scaler.unscale_(optimizer)  # no-op unless fp16: gradients back to their true scale before clipping
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
 
-    # the non-finite guard: one small all-reduce (and one sync) per step. The summed loss turns NaN if any
-    # rank's loss did, so every rank takes the same decision. Under fp16 an inf gradient with a finite loss
-    # is the GradScaler's business (it skips the step and lowers the scale), not a bad step.
-    flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm)).float()])
-    if ddp:
-        dist.all_reduce(flags)
-    lossf, grad_bad = flags.tolist()
-    lossf /= world_size
-    ok = math.isfinite(lossf) and (grad_bad == 0 or scaler.is_enabled())
-    if ok:
-        scaler.step(optimizer)  # optimizer.step() unless fp16
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    bad_in_a_row = 0 if ok else bad_in_a_row + 1
-    if not ok:
-        bad_total += 1
-        skip_bad_step(X, Y, lossf, grad_norm)
+        # the non-finite guard and the stop signal: one small all-reduce (and one sync) per step. The summed
+        # loss turns NaN if any rank's loss did, and the summed stop flag is nonzero if any rank got a stop
+        # signal, so every rank takes the same decisions. Under fp16 an inf gradient with a finite loss is
+        # the GradScaler's business (it skips the step and lowers the scale), not a bad step.
+        flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm)).float(),
+                             torch.tensor(float(stop_signal is not None), device=device)])
+        if ddp:
+            dist.all_reduce(flags)
+        lossf, grad_bad, stop = flags.tolist()
+        lossf /= world_size
+        ok = math.isfinite(lossf) and (grad_bad == 0 or scaler.is_enabled())
+        if ok:
+            scaler.step(optimizer)  # optimizer.step() unless fp16
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        bad_in_a_row = 0 if ok else bad_in_a_row + 1
+        if not ok:
+            bad_total += 1
+            skip_bad_step(X, Y, lossf, grad_norm)
 
-    # timing and logging
-    t1 = time.time()
-    dt, t0 = t1 - t0, t1
-    if iter_num % log_interval == 0 and master_process:
-        mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
-        print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
-              f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else ''))
-    iter_num += 1
+        # timing and logging; the first step of a run (warm-up, compilation) does not count for the ETA
+        t1 = time.time()
+        dt, t0 = t1 - t0, t1
+        step_time = dt if iter_num <= start_iter + 1 else 0.9 * step_time + 0.1 * dt
+        if iter_num % log_interval == 0 and master_process:
+            mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
+            print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
+                  f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else '')
+                  + f", ETA {duration(eta(iter_num))}")
+        iter_num += 1
+        if stop:
+            break
+    if stop:
+        stop_at_signal()
+except RuntimeError as e:
+    lost_a_rank(e)
 
 if master_process and not eval_only:
     print(f"done: {iter_num} iterations, {time.time() - t_start:.1f}s this run, {bad_total} skipped steps; "
           f"checkpoint {ckpt_path}, metrics {metrics_path}")
-if ddp:
-    dist.destroy_process_group()

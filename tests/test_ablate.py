@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -123,6 +124,38 @@ def test_deeploop_report_counts_runs_below_the_unigram_floor(tiny_data, tiny_con
     assert f'{floor:.4f} nats' in md
     assert f'| good | {floor - 1.0:.3f} (1/1) |' in md
     assert f'| stuck | {floor:.3f} (0/1) |' in md
+
+
+def test_progress_lines_count_runs_and_estimate_the_time_left(capsys):
+    jobs = [dict(name=n, cfg=dict(n_loop=2, max_iters=m)) for n, m in (('a', 100), ('b', 100), ('c', 200))]
+    log = ablate.progress_logger(jobs, n_workers=2, t0=time.time())
+    log(jobs[1], 'b: train done', None)  # finished by an earlier call: no time to go by yet
+    log(jobs[0], 'a: train done', 60.0)  # 60 s for cost 200, on 2 workers: 'c' (cost 400) needs ~60 s more
+    log(jobs[2], 'c: train done', 130.0)
+    assert capsys.readouterr().out.splitlines() == ['[1/3 runs, 0s] b: train done',
+                                                    '[2/3 runs, 0s, ETA 1m00s] a: train done',
+                                                    '[3/3 runs, 0s] c: train done']
+
+
+def test_a_run_stopped_by_a_signal_is_resumed_by_the_next_call(tmp_path, monkeypatch):
+    # train.py exits 0 when a signal stops it early: the run is 'stopped', not done, and the next call reruns
+    # the same command, which resumes it
+    job = dict(name='a', out_dir=str(tmp_path / 'a'), args=['tiny.py'], cfg=dict(n_loop=2, max_iters=10))
+    calls = []
+
+    def fake_train_py(cmd, log_path, mode, popen_kwargs):
+        calls.append(cmd)
+        last = 4 if len(calls) == 1 else 10  # the first attempt is stopped at iter 4
+        with open(os.path.join(job['out_dir'], 'metrics.jsonl'), 'a') as fh:
+            fh.write(json.dumps(dict(iter=last)) + '\n')
+        with open(log_path, mode) as fh:
+            fh.write('stopped by SIGTERM at iter 4: ...\n' if last < 10 else 'done: ...\n')
+        return 0
+    monkeypatch.setattr(ablate, 'call_logged', fake_train_py)
+    status = ablate.train(job, [sys.executable], {})
+    assert status['train'] == 'stopped' and status['error'].startswith('stopped by SIGTERM at iter 4')
+    assert ablate.train(job, [sys.executable], {})['train'] == 'done'
+    assert [c[-1] for c in calls] == ['--init_from=auto'] * 2
 
 
 def test_unigram_floor_of_uniform_tokens_is_log_v(tmp_path):

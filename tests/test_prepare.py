@@ -1,5 +1,6 @@
 """prepare.py: every loading path on real local text, the uint32 path, and Hugging Face via a fake
 `datasets`."""
+import io
 import json
 import os
 import shutil
@@ -63,6 +64,26 @@ def test_shakespeare_gpt2_token_counts(offline_data, tmp_path, monkeypatch):
     # the whole file
     assert len(encode(text)) == 338_025
     assert decode(train.tolist()) + decode(val.tolist()) == text
+
+
+def encoded_in_pieces(encode, text, size):
+    ids = list(prepare.encode_pieces(encode, text, 'test', size=size))
+    return [i for piece in ids for i in piece], len(ids)
+
+
+def test_tokenizing_piece_by_piece_gives_the_same_ids(offline_data):
+    # long texts are encoded in pieces (with a progress bar); cut where the code cuts, the ids are exactly
+    # those of the whole text, for characters and for GPT-2 BPE
+    text = (offline_data / 'tinyshakespeare' / 'input.txt').read_text(encoding='utf-8')[:200_000]
+    tricky = 'a\n\n\nb  \n c\t\nd\u00a0\ne\n\u3000f\r\ng\nh \n\n' * 50 + "x\n's\n\n 1\n2\n"
+    stoi = {c: i for i, c in enumerate(sorted(set(text + tricky)))}
+    enc = prepare.gpt2_encoding()
+    for encode in (lambda s: [stoi[c] for c in s], enc.encode_ordinary):
+        for t in (text, tricky):
+            ids, n_pieces = encoded_in_pieces(encode, t, size=97)
+            assert ids == encode(t) and n_pieces > 10
+    # cutting after every newline instead would not be exact: GPT-2 has one token for '\n\n'
+    assert enc.encode_ordinary('a\n\n\nb') != enc.encode_ordinary('a\n') + enc.encode_ordinary('\n\nb')
 
 
 def test_gpt2_tokenizer_is_gpt2(offline_data):
@@ -129,14 +150,17 @@ def test_val_fraction_sets_the_split(tmp_path):
 
 # ---- the download path, without the network ----
 
-def test_tinyshakespeare_is_downloaded_once_and_kept(tmp_path, monkeypatch):
+def test_tinyshakespeare_is_downloaded_once_and_kept(tmp_path, monkeypatch, capsys):
     urls = []
+    data = b'First Citizen:\nBefore we proceed any further, hear me speak.\n' * 20
 
-    class Response:
+    class Response:  # what urlopen returns: read(n) in chunks, and the size in a header
+        headers = {'Content-Length': str(len(data))}
         def __init__(self, url, timeout):
             urls.append(url)
-        def read(self):
-            return b'First Citizen:\nBefore we proceed any further, hear me speak.\n' * 20
+            self.body = io.BytesIO(data)
+        def read(self, n=-1):
+            return self.body.read(n)
         def __enter__(self):
             return self
         def __exit__(self, *a):
@@ -145,7 +169,8 @@ def test_tinyshakespeare_is_downloaded_once_and_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare.urllib.request, 'urlopen', Response)
     meta, train, val = load_prepared('shakespeare_char', tmp_path)
     assert urls == [prepare.SHAKESPEARE_URL] and len(train) + len(val) == 61 * 20
-    assert (tmp_path / 'data' / 'shakespeare_char' / 'input.txt').is_file()   # nanoGPT's place for it
+    assert (tmp_path / 'data' / 'shakespeare_char' / 'input.txt').read_bytes() == data  # nanoGPT's place
+    assert '1.22k/1.22k' in capsys.readouterr().err                     # the progress bar, in bytes
     load_prepared('shakespeare_char', tmp_path)                          # second time: the saved copy
     assert len(urls) == 1
 

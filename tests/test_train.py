@@ -13,6 +13,7 @@ import io
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 
@@ -58,6 +59,7 @@ def run_train(args, cwd):
     out, err = io.StringIO(), io.StringIO()
     old_argv, old_cwd, old_threads = sys.argv, os.getcwd(), torch.get_num_threads()
     old_omp = os.environ.get('OMP_NUM_THREADS')
+    old_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}  # train.py sets them
     sys.argv = ['train.py', *args]
     code = 0
     try:
@@ -72,6 +74,8 @@ def run_train(args, cwd):
     finally:
         sys.argv = old_argv
         os.chdir(old_cwd)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         torch.set_num_threads(old_threads)
         if old_omp is None:
             os.environ.pop('OMP_NUM_THREADS', None)
