@@ -426,6 +426,13 @@ def stop_at_signal():
     if master_process:
         print(f"{why}: checkpoint {ckpt_path}; continue with the same command and --init_from=auto "
               f"(or resume)", flush=True)
+    if ddp:
+        # leave at once: the work is saved, and a gloo thread still winding down while the interpreter
+        # shuts down can abort the process (exit -6), which a scheduler would read as a failure
+        end_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     sys.exit(0)
 
 def lost_a_rank(e):
