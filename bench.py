@@ -8,6 +8,7 @@ warm-up excluded).
     python bench.py --compile                         # also time torch.compile (minutes on a CPU)
     python bench.py --threads=1 --timer=process       # on a busy machine: CPU seconds, not wall time
     python bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
+    python bench.py --only=vs_plain,bf16,mfu_dtype    # some rows only (names: see MEASUREMENTS)
 
 Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
@@ -16,10 +17,17 @@ Rows and their targets:
   4 decoding      tok/s with the KV cache vs without, 512 new tokens, fixed exit                  >= 5x
   5 early exit    adaptive-exit decoding: tok/s and mean loops per token vs fixed R              report
   6 compile       torch.compile vs eager training step; graph breaks of the looped forward       0 breaks
-  7 MFU           model flops / s of the looped step against the matmul ceiling (CPU: measured here;
-                  CUDA: model.peak_flops of the device, and the measured bf16 matmul rate)
-A "training step" is forward + backward (the optimizer update is left out: it is per parameter, and a
-looped model has R times fewer parameters, which would flatter row 1).
+                  (CPU: also train.py's default run per dtype: compile seconds and when it pays)
+  7 MFU           model flops / s of the looped step against the matmul ceiling of its dtype (best of
+                  several sizes and repeats, measured here; CUDA: also model.peak_flops of the device)
+  8 vs plain      train.py's default model, nanoloop vs PlainLoopedGPT (the same model written plainly:
+                  explicit attention, full-logit CE per exit), tok/s at fp32 and at bf16 autocast    >= 1.2
+  9 bf16          nanoloop's bf16-autocast step vs its fp32 step (>= 1.7 where the CPU has bf16 units)
+ 10 MFU by dtype  the default model's step against the ceiling of the dtype it runs in              >= 60%
+ 11 attention     the default model's step with every attention path, per dtype: is 'auto' the fastest?
+A "training step" in rows 1-7 is forward + backward (the optimizer update is left out: it is per parameter,
+and a looped model has R times fewer parameters, which would flatter row 1); rows 8-11 time train.py's step
+as it runs (forward, backward, AdamW).
 """
 
 import argparse
@@ -28,6 +36,7 @@ import datetime
 import gc
 import io
 import json
+import math
 import os
 import platform
 import resource
@@ -38,10 +47,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from errors import Parser, die
-from model import GPT, GPTConfig, LinearCrossEntropy, exit_score, peak_flops
+from model import (GPT, GPTConfig, LinearCrossEntropy, attention_path, auto_dtype, cpu_bf16_units,
+                   exit_score, peak_flops)
 
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
 SIZES = {
@@ -49,21 +60,26 @@ SIZES = {
         speed=dict(n_embd=32, n_head=2, n_layer=2, n_loop=2, batch_size=2, block_size=32, vocab_size=65),
         head=dict(n_embd=32, n_head=2, n_layer=1, n_loop=4, batch_size=2, block_size=32, vocab_size=50257),
         decode=dict(n_embd=32, n_head=2, n_layer=1, n_loop=3, prompt=8, new_tokens=24, vocab_size=512),
-        matmul=256, repeats=3, warmup=1, decode_repeats=1),
+        default=dict(n_embd=32, n_head=2, n_layer=2, n_loop=2, batch_size=2, block_size=32, vocab_size=65),
+        matmul=(128, 256), repeats=3, warmup=1, decode_repeats=1, block_steps=1),
     'cpu': dict(
         speed=dict(n_embd=192, n_head=4, n_layer=2, n_loop=4, batch_size=4, block_size=256, vocab_size=65),
         head=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, batch_size=2, block_size=256, vocab_size=50257),
         # decoding: train.py's default model (shakespeare_char). At GPT-2's vocabulary a d=128 model's head is
         # 3x its layers, and both modes spend most of a token in the head (3.6x measured on 2026-11-30)
         decode=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, prompt=16, new_tokens=512, vocab_size=65),
-        matmul=2048, repeats=7, warmup=2, decode_repeats=2),
+        # rows 8-11: train.py's default run (GPTConfig() and its batch of 8 x 64), timed in blocks of steps
+        default=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, batch_size=8, block_size=64, vocab_size=65),
+        matmul=(512, 1024, 2048), repeats=7, warmup=2, decode_repeats=2, block_steps=5),
     'gpu': dict(
         speed=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, batch_size=8, block_size=1024,
                    vocab_size=50304),
         head=dict(n_embd=768, n_head=12, n_layer=2, n_loop=4, batch_size=8, block_size=1024,
                   vocab_size=50257),
         decode=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, prompt=16, new_tokens=512, vocab_size=50257),
-        matmul=8192, repeats=10, warmup=3, decode_repeats=3),
+        default=dict(n_embd=512, n_head=8, n_layer=8, n_loop=4, batch_size=16, block_size=256,
+                     vocab_size=50257),  # paper_44m's model at a quarter of its batch
+        matmul=(4096, 8192), repeats=10, warmup=3, decode_repeats=3, block_steps=3),
 }
 
 
@@ -79,6 +95,8 @@ class Run:
     batch: tuple = None
     looped_s: float = None
     compiled_s: float = None  # row 6's compiled step time, for row 7 (None when not compiled)
+    ceilings: dict = None     # matmul ceiling per dtype, measured once (rows 7 and 10)
+    default_s: dict = None    # row 8's nanoloop step seconds per dtype, for rows 9 and 10
 
 
 # -----------------------------------------------------------------------------
@@ -109,9 +127,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def autocast(device):
-    # CUDA: bf16 autocast as train.py does; CPU: plain float32
-    return torch.autocast('cuda', dtype=torch.bfloat16) if device.type == 'cuda' else contextlib.nullcontext()
+def autocast(device, dtype=None):
+    # dtype None: bf16 autocast on CUDA as train.py does, plain float32 on CPU; else 'float32' | 'bfloat16'
+    dtype = dtype or ('bfloat16' if device.type == 'cuda' else 'float32')
+    if dtype == 'float32':
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def train_step(model, X, Y, device, loss_fn=None):
@@ -159,7 +180,8 @@ def cpu_name():
 def machine(device):
     info = dict(torch=torch.__version__, python=platform.python_version(),
                 date=datetime.datetime.now().strftime('%Y-%m-%d %H:%M'), device=device.type)
-    info.update(cpu=cpu_name(), cpu_threads=torch.get_num_threads(), cpu_cores=os.cpu_count())
+    info.update(cpu=cpu_name(), cpu_threads=torch.get_num_threads(), cpu_cores=os.cpu_count(),
+                cpu_bf16=cpu_bf16_units(), load=os.getloadavg() if hasattr(os, 'getloadavg') else None)
     if device.type == 'cuda':
         info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return info
@@ -169,16 +191,38 @@ def where(m):
     """The machine of a result, in a few words: the GPU, or the CPU and its threads."""
     if m['device'] == 'cuda':
         return f"gpu: {m['gpu']}, cuda {m['cuda']}"
-    return f"cpu: {m['cpu']}, {m['cpu_threads']} threads"
+    load = f", load {m['load'][0]:.2f}" if m.get('load') else ''
+    return f"cpu: {m['cpu']} ({m.get('cpu_bf16') or 'no bf16 units'}), {m['cpu_threads']} threads{load}"
 
 
-def matmul_ceiling(device, n, warmup, repeats):
-    """FLOP/s of a large square matmul: fp32 on CPU, bf16 on CUDA (random data, not zeros)."""
-    dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
+def matmul_ceiling(device, n, warmup, repeats, dtype=None):
+    """FLOP/s of an n x n matmul at its best of `repeats` (random data, not zeros); dtype: fp32 on CPU and
+    bf16 on CUDA unless given. The best, not the median: a ceiling taken on a busy machine must not sink."""
+    dtype = dtype or (torch.bfloat16 if device.type == 'cuda' else torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    dt = side_by_side({'mm': lambda: a @ b}, device, warmup, repeats)['mm']
-    return 2 * n ** 3 / dt
+    for _ in range(warmup):
+        a @ b
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        t0 = CLOCK()
+        a @ b
+        sync(device)
+        best = min(best, CLOCK() - t0)
+    return 2 * n ** 3 / best
+
+
+def ceilings(run):
+    """The matmul ceiling of each dtype: the best FLOP/s over the size's matmul sizes and repeats."""
+    if run.ceilings is None:
+        run.ceilings = {}
+        for name, dtype in (('float32', torch.float32), ('bfloat16', torch.bfloat16)):
+            by_size = {n: matmul_ceiling(run.device, n, run.warmup, run.repeats, dtype)
+                       for n in run.size['matmul']}
+            n = max(by_size, key=by_size.get)
+            run.ceilings[name] = dict(flops=by_size[n], n=n, by_size={str(k): v for k, v in by_size.items()})
+    return run.ceilings
 
 
 # -----------------------------------------------------------------------------
@@ -425,7 +469,33 @@ def row_compile(run):
     run.compiled_s = t['compiled']
     out.update(ratio=t['eager'] / t['compiled'], eager_s=t['eager'], compiled_s=t['compiled'],
                eager_tok_s=X.numel() / t['eager'], compiled_tok_s=X.numel() / t['compiled'])
+    if run.device.type == 'cpu':  # on a GPU row 1's model is the one that matters
+        out['default_config'] = compile_default(run)
     return {'compile': out}
+
+
+def compile_default(run):
+    """train.py's default run compiled (--compile=True), per dtype: the seconds its first step takes (the
+    compilation), then the eager / compiled step time, AdamW included, and the steps after which the
+    compilation has paid for itself."""
+    out = {}
+    for dtype in DTYPES:
+        torch._dynamo.reset()
+        model, opt, (X, Y) = default_model(run)
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        optimizer_steps(compiled, opt, X, Y, run.device, dtype, 1)()
+        sync(run.device)
+        first = time.perf_counter() - t0
+        n = run.size['block_steps']
+        steps = {f'eager_{dtype}': optimizer_steps(model, opt, X, Y, run.device, dtype, n),
+                 f'compiled_{dtype}': optimizer_steps(compiled, opt, X, Y, run.device, dtype, n)}
+        t = {k: v / n for k, v in side_by_side(steps, run.device, run.warmup, run.repeats).items()}
+        eager, comp = t[f'eager_{dtype}'], t[f'compiled_{dtype}']
+        out[dtype] = dict(compile_s=first - comp, ratio=eager / comp, eager_s=eager, compiled_s=comp,
+                          pays_after_steps=(first - comp) / (eager - comp) if eager > comp else None)
+    torch._dynamo.reset()
+    return out
 
 
 def utilisation(flops_per_step, ceiling, run, suffix):
@@ -439,9 +509,11 @@ def utilisation(flops_per_step, ceiling, run, suffix):
 def row_mfu(run):
     looped, (X, _) = looped_of_row_1(run)
     flops = looped.flops_per_token(X.size(1)) * X.numel()  # forward + backward flops of one step
-    ceiling = matmul_ceiling(run.device, run.size['matmul'], run.warmup, run.repeats)
-    out = dict(matmul_flops=ceiling, matmul_n=run.size['matmul'], model_flops_per_step=flops,
-               eager_flops=flops / run.looped_s, target='report')
+    dtype = 'bfloat16' if run.device.type == 'cuda' else 'float32'  # what row 1's step ran in
+    best = ceilings(run)[dtype]
+    ceiling = best['flops']
+    out = dict(matmul_flops=ceiling, matmul_n=best['n'], matmul_dtype=dtype, matmul_by_size=best['by_size'],
+               model_flops_per_step=flops, eager_flops=flops / run.looped_s, target='report')
     out.update(utilisation(flops, ceiling, run, 'matmul'))
     if run.device.type == 'cuda':
         peak = peak_flops(torch.cuda.get_device_name(run.device))  # None for a device not in the list
@@ -451,9 +523,178 @@ def row_mfu(run):
     return {'mfu': out}
 
 
-# (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model
+# -----------------------------------------------------------------------------
+# rows 8-11: train.py's default run, against the same model written plainly
+
+class PlainBlock(nn.Module):
+    """A pre-norm block as one writes it from the textbook: fused qkv, explicit attention under a causal
+    mask buffer, SwiGLU."""
+
+    def __init__(self, C, n_head, block_size):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.RMSNorm(C, eps=1e-6), nn.RMSNorm(C, eps=1e-6)
+        self.qkv = nn.Linear(C, 3 * C, bias=False)
+        self.proj = nn.Linear(C, C, bias=False)
+        self.fc = nn.Linear(C, 8 * C, bias=False)  # SwiGLU's gate and up projections
+        self.fc_proj = nn.Linear(4 * C, C, bias=False)
+        self.register_buffer('mask', torch.ones(block_size, block_size, dtype=torch.bool).tril())
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(self.ln_1(x)).split(C, 2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        att = att.masked_fill(~self.mask[:T, :T], float('-inf')).softmax(dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        gate, up = self.fc(self.ln_2(x)).chunk(2, dim=-1)
+        return x + self.fc_proj(F.silu(gate) * up)
+
+
+class PlainLoopedGPT(nn.Module):
+    """nanoloop's default model written plainly, the yardstick of row 8: what one writes without nanoloop
+    (and what the papers' published code does): learned positions, the K blocks above run R times, and at
+    every exit an RMSNorm readout, full (B, T, V) logits and F.cross_entropy. It takes a GPT's weights, so
+    both start from the same init with the same parameter count. A second recurrence on purpose, outside
+    nanoloop (`layers`, not `transformer.h`): nanoloop's own code runs through GPT.loops."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        cfg = gpt.config
+        kind = (cfg.pos, cfg.mlp, cfg.norm, cfg.block, cfg.readout, cfg.supervision, cfg.inter_loop_norm)
+        assert kind == ('learned', 'swiglu', 'rmsnorm', 'preln', 'rmsnorm', 'per_loop', 'none'), kind
+        assert cfg.norm_penalty == 0 and cfg.loop_eps == 0 and cfg.dropout == 0
+        C, self.n_loop, self.vocab_size = cfg.n_embd, cfg.n_loop, cfg.vocab_size
+        self.wte = nn.Embedding(cfg.vocab_size, C)
+        self.wpe = nn.Embedding(cfg.block_size, C)
+        self.layers = nn.ModuleList([PlainBlock(C, cfg.n_head, cfg.block_size) for _ in range(cfg.n_layer)])
+        self.ln_out = nn.RMSNorm(C, eps=1e-6)
+        self.lm_head = nn.Linear(C, cfg.vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight
+        t = gpt.transformer
+        pairs = [(self.wte, t.wte), (self.wpe, t.wpe), (self.ln_out, t.ln_out)]
+        for mine, theirs in zip(self.layers, t.h):
+            pairs += [(mine.ln_1, theirs.ln_1), (mine.ln_2, theirs.ln_2), (mine.qkv, theirs.attn.c_attn),
+                      (mine.proj, theirs.attn.c_proj), (mine.fc, theirs.mlp.c_fc),
+                      (mine.fc_proj, theirs.mlp.c_proj)]
+        with torch.no_grad():
+            for mine, theirs in pairs:
+                mine.weight.copy_(theirs.weight)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        loss = 0.0
+        for _ in range(self.n_loop):
+            for layer in self.layers:
+                x = layer(x)
+            logits = self.lm_head(self.ln_out(x))
+            loss = loss + F.cross_entropy(logits.float().view(-1, self.vocab_size), targets.view(-1))
+        return logits, loss / self.n_loop
+
+
+DTYPES = ('float32', 'bfloat16')
+SHORT = {'float32': 'fp32', 'bfloat16': 'bf16'}
+
+
+def optimizer_steps(model, opt, X, Y, device, dtype, steps):
+    """`steps` training steps as train.py runs them: forward under the dtype's autocast, backward, AdamW."""
+    def block():
+        for _ in range(steps):
+            with autocast(device, dtype):
+                loss = model(X, Y)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return block
+
+
+def default_model(run, **kw):
+    """Row 8's model (train.py's default, GPTConfig keys from the size's 'default'), its AdamW and batch."""
+    spec = run.size['default']
+    torch.manual_seed(0)
+    model = build(run.device, **spec, **kw)
+    with contextlib.redirect_stdout(io.StringIO()):
+        opt = model.configure_optimizers(0.01, 1e-3, (0.9, 0.99), run.device.type)
+    return model, opt, batch(spec, run.device)
+
+
+def row_plain(run):
+    model, opt, (X, Y) = default_model(run)
+    plain = PlainLoopedGPT(model).to(run.device)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01)
+    n = run.size['block_steps']
+    steps = {}
+    for dtype in DTYPES:
+        steps[f'nanoloop_{dtype}'] = optimizer_steps(model, opt, X, Y, run.device, dtype, n)
+        steps[f'plain_{dtype}'] = optimizer_steps(plain, plain_opt, X, Y, run.device, dtype, n)
+    t = {k: v / n for k, v in side_by_side(steps, run.device, run.warmup, run.repeats).items()}
+    run.default_s = t
+    out = dict(target='>= 1.2 (fp32 and bf16)', steps_per_timing=n, config=dict(run.size['default']),
+               params=model.get_num_params(False), plain_params=sum(p.numel() for p in plain.parameters()))
+    for dtype in DTYPES:
+        out[f'ratio_{dtype}'] = t[f'plain_{dtype}'] / t[f'nanoloop_{dtype}']
+        out[f'nanoloop_tok_s_{dtype}'] = X.numel() / t[f'nanoloop_{dtype}']
+        out[f'plain_tok_s_{dtype}'] = X.numel() / t[f'plain_{dtype}']
+    out['ratio'] = min(out[f'ratio_{dtype}'] for dtype in DTYPES)
+    out['met'] = out['ratio'] >= 1.2
+    return {'vs_plain': out}
+
+
+def default_times(run):
+    if run.default_s is None:
+        raise RuntimeError("needs row 8's step times, which were not measured")
+    return run.default_s
+
+
+def row_bf16(run):
+    t = default_times(run)
+    units = cpu_bf16_units() if run.device.type == 'cpu' else run.device.type
+    ratio = t['nanoloop_float32'] / t['nanoloop_bfloat16']
+    return {'bf16': dict(ratio=ratio, plain_ratio=t['plain_float32'] / t['plain_bfloat16'], bf16_units=units,
+                         target='>= 1.7 with bf16 units', met=ratio >= 1.7 if units else None)}
+
+
+def row_mfu_dtype(run):
+    t = default_times(run)
+    spec = run.size['default']
+    flops = build(torch.device('cpu'), **spec).flops_per_token(spec['block_size'])
+    flops *= spec['batch_size'] * spec['block_size']  # one step's forward + backward
+    best = ceilings(run)
+    out = dict(model_flops_per_step=flops, ceilings=best, target='>= 60% in the dtype of auto')
+    for dtype in DTYPES:
+        out[f'mfu_{dtype}'] = flops / t[f'nanoloop_{dtype}'] / best[dtype]['flops']
+        out[f'plain_mfu_{dtype}'] = flops / t[f'plain_{dtype}'] / best[dtype]['flops']
+    out['auto_dtype'] = auto_dtype(run.device.type)[0]
+    mfu = out.get(f"mfu_{out['auto_dtype']}")
+    out['met'] = None if mfu is None else mfu >= 0.6
+    return {'mfu_dtype': out}
+
+
+def row_attention(run):
+    T = run.size['default']['block_size']
+    base, _, (X, Y) = default_model(run)
+    n = run.size['block_steps']
+    steps = {}
+    for impl in ('sdpa', 'math', 'explicit'):
+        model, opt, _ = default_model(run, attn_impl=impl)
+        model.load_state_dict(base.state_dict())
+        for dtype in DTYPES:
+            steps[f'{impl}_{dtype}'] = optimizer_steps(model, opt, X, Y, run.device, dtype, n)
+    t = {k: v / n for k, v in side_by_side(steps, run.device, run.warmup, run.repeats).items()}
+    out = dict(step_s=t, target="auto <= 1.05x the fastest", config=dict(run.size['default']))
+    for dtype in DTYPES:
+        times = {impl: t[f'{impl}_{dtype}'] for impl in ('sdpa', 'math', 'explicit')}
+        out[f'auto_{dtype}'] = attention_path('auto', run.device.type, getattr(torch, dtype), T)
+        out[f'fastest_{dtype}'] = min(times, key=times.get)
+        out[f'auto_vs_fastest_{dtype}'] = times[out[f'auto_{dtype}']] / times[out[f'fastest_{dtype}']]
+    out['met'] = all(out[f'auto_vs_fastest_{dtype}'] <= 1.05 for dtype in DTYPES)
+    return {'attention': out}
+
+
+# (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model,
+# rows 9 and 10 row 8's step times
 MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), ('step_time', row_step_time),
-                ('kv_cache', row_decode), ('compile', row_compile), ('mfu', row_mfu))
+                ('kv_cache', row_decode), ('compile', row_compile), ('mfu', row_mfu), ('vs_plain', row_plain),
+                ('bf16', row_bf16), ('mfu_dtype', row_mfu_dtype), ('attention', row_attention))
 
 
 # -----------------------------------------------------------------------------
@@ -496,8 +737,13 @@ def cells_compile(row):
         speed = 'skipped'
     else:
         speed = f"{row['ratio']:.2f}x (compile {row['compile_s']:.0f}s)"
-    return [("compiled / eager train step speed; graph breaks", f"{speed}; {row['graph_breaks']} breaks",
-             '0 breaks', row['met'])]
+    cells = [("compiled / eager train step speed; graph breaks", f"{speed}; {row['graph_breaks']} breaks",
+              '0 breaks', row['met'])]
+    for dtype, c in (row.get('default_config') or {}).items():
+        pays = f"{c['pays_after_steps']:,.0f} steps" if c['pays_after_steps'] else 'never'
+        cells.append(f"(default run, {SHORT[dtype]}: {c['ratio']:.2f}x after a {c['compile_s']:.0f}s "
+                     f"compile; pays after {pays})")
+    return cells
 
 
 def percent(row, key):
@@ -509,7 +755,8 @@ def percent(row, key):
 
 
 def cells_mfu(row):
-    cells = [(f"MFU of the looped step vs matmul {row['matmul_flops'] / 1e9:,.0f} GFLOP/s",
+    ceiling = f"{SHORT[row['matmul_dtype']]} matmul {row['matmul_flops'] / 1e9:,.0f} GFLOP/s"
+    cells = [(f"MFU of the looped step vs {ceiling}",
               percent(row, 'mfu_vs_matmul'), 'report', None)]
     if row.get('mfu_vs_peak') is not None:
         cells.append((f"  vs datasheet peak {row['peak_flops'] / 1e12:.0f} TFLOP/s",
@@ -517,24 +764,52 @@ def cells_mfu(row):
     return cells
 
 
+def cells_plain(row):
+    tok = lambda who, d: f"{row[f'{who}_tok_s_{d}']:,.0f}"
+    return [(f"train tok/s nanoloop / plain, {SHORT[d]}, AdamW included",
+             f"{row[f'ratio_{d}']:.2f} ({tok('nanoloop', d)}/{tok('plain', d)})",
+             row['target'] if i == 0 else '', row[f'ratio_{d}'] >= 1.2) for i, d in enumerate(DTYPES)]
+
+
+def cells_bf16(row):
+    return [(f"train step speed bf16 / fp32 ({row['bf16_units'] or 'no bf16 units'})",
+             f"{row['ratio']:.2f}x (plain {row['plain_ratio']:.2f}x)", row['target'], row['met'])]
+
+
+def cells_mfu_dtype(row):
+    return [(f"MFU, {SHORT[d]} step vs {SHORT[d]} matmul {row['ceilings'][d]['flops'] / 1e9:,.0f} GFLOP/s",
+             f"{row[f'mfu_{d}'] * 100:.1f}% (plain {row[f'plain_mfu_{d}'] * 100:.1f}%)",
+             '>= 60%' + (' (the dtype of auto)' if d == row['auto_dtype'] else ''),
+             row['met'] if d == row['auto_dtype'] else None) for d in DTYPES]
+
+
+def cells_attention(row):
+    return [(f"attention, {SHORT[d]}: auto = {row[f'auto_{d}']}, fastest = {row[f'fastest_{d}']}",
+             f"{row[f'auto_vs_fastest_{d}']:.2f}x the fastest", row['target'] if i == 0 else '',
+             row[f'auto_vs_fastest_{d}'] <= 1.05) for i, d in enumerate(DTYPES)]
+
+
 TABLE = (('untied_vs_looped', cells_untied), ('peak_memory', cells_memory), ('step_time', cells_step_time),
          ('kv_cache', cells_kv_cache), ('adaptive_exit', cells_adaptive), ('compile', cells_compile),
-         ('mfu', cells_mfu))
+         ('mfu', cells_mfu), ('vs_plain', cells_plain), ('bf16', cells_bf16), ('mfu_dtype', cells_mfu_dtype),
+         ('attention', cells_attention))
 
 
 def table_line(i, what, value, target, met):
     ok = '-' if met is None else ('yes' if met else 'NO')
-    return f"{i:<2} {what:<46} {value:>26}  {target:<24} {ok:<4}"
+    return f"{i:<2} {what:<52} {value:>26}  {target:<26} {ok:<4}"
 
 
 def fmt_table(res):
     m = res['machine']
     lines = [f"nanoloop bench ({res['size']}), {where(m)}, torch {m['torch']}, {res['timer']} clock, "
              f"{m['date']}",
-             f"{'#':<2} {'measurement':<46} {'value':>26}  {'target':<24} {'ok':<4}"]
+             f"{'#':<2} {'measurement':<52} {'value':>26}  {'target':<26} {'ok':<4}"]
     note = ' ' * 5  # indent of a note under its row
     for i, (name, cells) in enumerate(TABLE, start=1):
         row = res['rows'].get(name)
+        if row is None and res.get('only'):
+            continue  # not asked for (--only)
         if row is None or 'error' in row:
             lines.append(table_line(i, name, 'not measured', '', False))
             lines.append(note + (row['error'] if row else 'missing'))
@@ -561,11 +836,18 @@ def parse_args(argv):
                    help="wall: perf_counter; process: CPU time of this process (CPU only, use with "
                         "--threads=1 on a busy machine: other processes' load then barely moves the numbers)")
     p.add_argument('--out', default='bench.json', help='the JSON file to write')
+    p.add_argument('--only', default='', help='comma-separated row names to measure (default: all): '
+                   + ', '.join(name for name, _ in MEASUREMENTS))
     p.add_argument('--mem_child', default=None, help=argparse.SUPPRESS)  # internal: row 2's child process
     args = p.parse_args(argv)
     for name in ('repeats', 'threads'):
         if getattr(args, name) < 0:
             die(f"--{name}={getattr(args, name)}: must be >= 0 (0 = the default)")
+    known = [name for name, _ in MEASUREMENTS]
+    args.only = [name for name in args.only.split(',') if name]
+    for name in args.only:
+        if name not in known:
+            die(f"--only={name}: choose among {', '.join(known)}")
     return args
 
 
@@ -601,10 +883,13 @@ def write_json(res, path):
         json.dump(res, out, indent=1)
 
 
-def measure_all(run, res, out_path):
-    """Every row in turn; the JSON is written after each, so an interrupted run keeps what it measured."""
+def measure_all(run, res, out_path, only=()):
+    """Every row in turn (or those in only); the JSON is written after each, so an interrupted run keeps what
+    it measured."""
     t0 = time.perf_counter()
     for name, measure in MEASUREMENTS:
+        if only and name not in only:
+            continue
         try:
             res['rows'].update(measure(run))
         except Exception as e:  # one broken row should not cost the others: record it and go on
@@ -625,10 +910,10 @@ def main(argv=None):
     run = setup(args)
     torch.manual_seed(1337)
     res = dict(machine=machine(run.device), size=args.size, repeats=run.repeats, warmup=run.warmup,
-               timer=args.timer, rows={}, samples=SAMPLES)
+               timer=args.timer, only=args.only, rows={}, samples=SAMPLES)
     print(f"bench: {where(res['machine'])}, torch {torch.__version__}, size {args.size}, {args.timer} clock, "
           f"{run.repeats} repeats after {run.warmup} warm-up", flush=True)
-    measure_all(run, res, args.out)
+    measure_all(run, res, args.out, args.only)
     res['table'] = fmt_table(res)
     print(res['table'])
     write_json(res, args.out)

@@ -179,7 +179,8 @@ def resume_config(config, explicit, ckpt, path):
     learning_rate, ...) are allowed and returned as a list of 'key old -> new' for train.py to print."""
     saved = dict(ckpt.get('config') or {})
     saved.update(ckpt['model_args'])  # the weights' truth, vocab_size included
-    arch = [k for k in model_keys() if k != 'dropout'] + ['dataset']  # what the weights mean
+    # what the weights mean; dropout and the attention kernel (the same result, by another path) may change
+    arch = [k for k in model_keys() if k not in ('dropout', 'attn_impl')] + ['dataset']
     changed_arch = [k for k in arch if k in explicit and k in saved and config[k] != saved[k]]
     if changed_arch:
         diffs = ', '.join(f"{k}={config[k]!r} (checkpoint: {saved[k]!r})" for k in changed_arch)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # the named choices of every model key; GPTConfig.__post_init__ checks against these
 MODEL_CHOICES = dict(
@@ -35,6 +36,7 @@ MODEL_CHOICES = dict(
     supervision=('per_loop', 'terminal'),
     inter_loop_norm=('none', 'rmsnorm', 'layernorm'),
     block=('preln', 'postln', 'sandwich'),
+    attn_impl=('auto', 'sdpa', 'math', 'explicit'),
 )
 # depth_scaling by name -> exponent p of alpha = (2N)^p, beta = (8N)^-p (docs/papers.md §2)
 DEPTH_EXPONENTS = {'none': 0.0, 'deepnorm': 0.25, 'deeploop': 0.5}
@@ -61,6 +63,8 @@ class GPTConfig:
     block: str = 'preln'           # preln | postln (DeepNorm) | sandwich (DeepLoop): see Block (§2)
     depth_scaling: object = 'none'  # none | deepnorm (p=1/4) | deeploop (p=1/2) | a number p (§2)
     loop_eps: float = 0.0          # lambda of the pre-norm branch multiplier lambda/(R sqrt K) (§3); 0 = off
+    attn_impl: str = 'auto'        # attention kernel: auto (measured pick, see attention_path) | sdpa | math
+                                   # | explicit; the same result, only speed differs (resume may change it)
 
     def __post_init__(self):
         for key, allowed in MODEL_CHOICES.items():
@@ -144,6 +148,44 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+# the longest key length at which explicit attention beat the CPU flash kernel in bf16 (measured forward +
+# backward on an AVX-512 BF16 EPYC, head sizes 32 and 64: explicit 1.2-5.3x faster at T = 64..512, flash
+# 1.25-1.7x faster at T = 1024)
+EXPLICIT_MAX_T = 512
+
+
+def attention_path(impl, device_type, dtype, Tk):
+    """The attention kernel 'auto' stands for, picked by measurement (README, Performance): the flash kernel
+    of F.scaled_dot_product_attention wherever it won (GPUs; fp32 on CPUs: level at T = 64, up to 3x ahead
+    at T = 1024), explicit attention for bf16/fp16 on CPUs up to EXPLICIT_MAX_T keys, where the CPU flash
+    kernel loses. fp16 on CPUs is not measured and follows bf16."""
+    if impl != 'auto':
+        return impl
+    low = dtype in (torch.bfloat16, torch.float16)
+    return 'explicit' if device_type == 'cpu' and low and Tk <= EXPLICIT_MAX_T else 'sdpa'
+
+
+def attention(q, k, v, causal, impl='auto', dropout_p=0.0):
+    """softmax(q k^T / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, nh, Tk, hs), by one of three
+    paths with the same result: 'sdpa' (F.scaled_dot_product_attention, flash where available), 'math' (its
+    reference kernel) or 'explicit' (two matmuls and a masked softmax). causal: the top-left aligned mask
+    of is_causal (query i sees keys 0..i), used for a prompt at position 0."""
+    impl = attention_path(impl, q.device.type, q.dtype, k.size(-2))
+    if impl == 'sdpa':
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+    if impl == 'math':
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+    B, nh, Tq, hs = q.shape
+    Tk = k.size(-2)
+    # scores / sqrt(hs) + mask in one batched matmul; the mask adds -inf above the diagonal (none for T = 1)
+    mask = torch.full((Tq, Tk), float('-inf') if causal else 0.0, dtype=q.dtype, device=q.device).triu(1)
+    att = torch.baddbmm(mask, q.reshape(B * nh, Tq, hs), k.reshape(B * nh, Tk, hs).transpose(1, 2),
+                        alpha=1.0 / math.sqrt(hs))                         # (B*nh, Tq, Tk)
+    att = F.dropout(F.softmax(att, dim=-1), dropout_p) if dropout_p > 0 else F.softmax(att, dim=-1)
+    return (att @ v.reshape(B * nh, Tk, hs)).view(B, nh, Tq, hs)
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -151,6 +193,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # q, k, v in one matrix
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.attn_dropout = config.dropout
+        self.attn_impl = config.attn_impl
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
@@ -158,32 +201,31 @@ class CausalSelfAttention(nn.Module):
     def heads(self, t, B, T):
         return t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
 
-    def kv(self, x, rope, cache, pos):
-        # keys and values of x; with a cache they are written into this visit's slot and the whole
-        # history (positions 0..pos+T-1) is returned
+    def qkv(self, x, rope, cache, pos):
+        """Queries, keys and values of x (B, T, C), each (B, nh, T, hs), from one matmul. With a cache, the
+        keys and values are written into this visit's slot and the whole history (positions 0..pos+T-1)
+        is returned."""
         B, T, C = x.size()
-        k, v = F.linear(x, self.c_attn.weight[C:]).split(C, dim=2)
-        k, v = self.heads(k, B, T), self.heads(v, B, T)
+        q, k, v = (self.heads(t, B, T) for t in self.c_attn(x).split(C, dim=2))
         if rope is not None:
-            k = apply_rope(k, *rope)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             cache[0][:, :, pos:pos + T] = k
             cache[1][:, :, pos:pos + T] = v
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
-        return k, v
+        return q, k, v
+
+    def kv(self, x, rope, cache, pos):
+        return self.qkv(x, rope, cache, pos)[1:]
 
     def forward(self, x, rope=None, cache=None, pos=0):
         B, T, C = x.size()
-        q = self.heads(F.linear(x, self.c_attn.weight[:C]), B, T)
-        if rope is not None:
-            q = apply_rope(q, *rope)
-        k, v = self.kv(x, rope, cache, pos)
+        q, k, v = self.qkv(x, rope, cache, pos)
         # a prompt is only ever processed at pos 0, so is_causal (top-left aligned) is right; one new token
         # attends to the whole cache
         assert T == 1 or pos == 0, "multi-token steps are only supported at position 0"
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_dropout if self.training else 0,
-                                           is_causal=T > 1)  # (B, nh, T, hs), flash attention where available
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = attention(q, k, v, T > 1, self.attn_impl, self.attn_dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -208,6 +250,12 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(x))
 
 
+def times(c, t):
+    # c * t; t itself where c = 1 (alpha and eps of a plain pre-norm block): exact, and one pass over t fewer
+    # forward and backward
+    return t if c == 1.0 else c * t
+
+
 class Block(nn.Module):
     """One residual layer; all three block types are the same line with different pieces switched in:
         x <- post_norm( alpha * x + eps * f( pre_norm(x) ) )
@@ -228,13 +276,13 @@ class Block(nn.Module):
         self.eps = config.branch_eps    # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
     def forward(self, x, rope=None, cache=None, pos=0):
-        x = self.pn_1(self.alpha * x + self.eps * self.attn(self.ln_1(x), rope, cache, pos))
-        x = self.pn_2(self.alpha * x + self.eps * self.mlp(self.ln_2(x)))
+        x = self.pn_1(times(self.alpha, x) + times(self.eps, self.attn(self.ln_1(x), rope, cache, pos)))
+        x = self.pn_2(times(self.alpha, x) + times(self.eps, self.mlp(self.ln_2(x))))
         return x
 
     def fill_cache(self, x, rope, cache, pos):
         # the K/V this visit would write for input x, without running the rest of the block
-        self.attn.kv(self.ln_1(x), rope, cache, pos)
+        self.attn.qkv(self.ln_1(x), rope, cache, pos)
 
 
 def ce_chunk_rows(V, device):
@@ -333,6 +381,35 @@ def peak_flops(device_name):
         if name.lower() in str(device_name).lower():
             return flops
     return None
+
+
+def cpu_bf16_units():
+    """The CPU's native bf16 matrix instructions ('AMX-BF16' or 'AVX512-BF16'), or None. Without them bf16
+    matmuls on a CPU are emulated (converted to fp32), and bf16 autocast buys little or nothing."""
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            flags = next((line.split(':', 1)[1].split() for line in cpuinfo if line.startswith('flags')), [])
+    except OSError:
+        flags = []
+    probe = lambda name: getattr(torch.cpu, name, lambda: False)()  # private PyTorch checks, where present
+    if 'amx_bf16' in flags or probe('_is_amx_tile_supported'):
+        return 'AMX-BF16'
+    if 'avx512_bf16' in flags or probe('_is_avx512_bf16_supported'):
+        return 'AVX512-BF16'
+    return None
+
+
+def auto_dtype(device_type):
+    """What dtype='auto' trains in, with the reason: bf16 autocast on GPUs that have it (else fp16), and on
+    CPUs with bf16 units, where it measured 1.6-1.8x the fp32 step and kept the laptop blind-spot arms' CE
+    and norms (README, Performance); fp32 elsewhere."""
+    if device_type == 'cuda':
+        return ('bfloat16', 'the GPU has bf16') if torch.cuda.is_bf16_supported() else \
+            ('float16', 'the GPU lacks bf16')
+    units = cpu_bf16_units() if device_type == 'cpu' else None
+    if units:
+        return 'bfloat16', f'the CPU has {units}'
+    return 'float32', 'no bf16 units on this CPU' if device_type == 'cpu' else f'fp32 on {device_type}'
 
 
 class GPT(nn.Module):
@@ -504,7 +581,8 @@ class GPT(nn.Module):
               f"with {sum(p.numel() for p in decay):,} parameters")
         print(f"num non-decayed parameter tensors: {len(no_decay)}, "
               f"with {sum(p.numel() for p in no_decay):,} parameters")
-        fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type == 'cuda'
+        # the fused kernel (one pass over every tensor) on GPUs and CPUs alike (PyTorch 2.4+ on CPUs)
+        fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type in ('cuda', 'cpu')
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if fused else {}))
 
     def flops_per_token(self, T=None, n_loop=None):

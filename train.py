@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 from errors import die, duration, first_line
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, auto_dtype
 from prepare import open_data
 
 # -----------------------------------------------------------------------------
@@ -89,7 +89,8 @@ collective_timeout = 600         # DDP: seconds a collective waits for a dead or
                                  # stops (longer than a checkpoint write, which the others wait for)
 # system
 device = 'auto'                  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 (or fp16) on CUDA, else fp32
+dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 on CUDA (fp16 without bf16) and
+                                 # on CPUs with bf16 units, else fp32 (model.auto_dtype)
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337
 # -----------------------------------------------------------------------------
@@ -155,9 +156,10 @@ if device_type == 'cpu' and 'OMP_NUM_THREADS' not in os.environ:
     # (torchrun sets OMP_NUM_THREADS=1 itself; set it to choose the thread count yourself)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, cores // world_size))
+dtype_note = ''
 if dtype == 'auto':
-    dtype = 'float32' if device_type != 'cuda' else 'bfloat16' if torch.cuda.is_bf16_supported() else \
-        'float16'
+    dtype, why = auto_dtype(device_type)
+    dtype_note = f" (auto: {why})"
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
@@ -169,7 +171,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 torch.manual_seed(seed + rank)  # dropout differs between ranks; DDP broadcasts rank 0's initial weights
 if master_process:
     threads = f", {torch.get_num_threads()} threads" if device_type == 'cpu' else ''
-    print(f"device: {device}{threads}, {dtype}, {world_size} process(es); tokens per iteration: "
+    print(f"device: {device}{threads}, {dtype}{dtype_note}, {world_size} process(es); tokens per iteration: "
           f"{tokens_per_iter:,} ({micro_steps * world_size} x {batch_size} x {block_size})")
     if micro_steps * world_size != gradient_accumulation_steps:
         print(f"gradient_accumulation_steps={gradient_accumulation_steps} rounded up to "

@@ -13,7 +13,8 @@ import torch
 
 import bench
 
-ROWS = ('untied_vs_looped', 'peak_memory', 'step_time', 'kv_cache', 'adaptive_exit', 'compile', 'mfu')
+ROWS = ('untied_vs_looped', 'peak_memory', 'step_time', 'kv_cache', 'adaptive_exit', 'compile', 'mfu',
+        'vs_plain', 'bf16', 'mfu_dtype', 'attention')
 
 
 @pytest.fixture(scope='module')
@@ -35,7 +36,8 @@ def test_bench_writes_json_with_every_row(tiny_run):
         assert key in saved['machine']
     for key in ('size', 'repeats', 'warmup', 'timer', 'samples', 'seconds'):
         assert key in saved
-    assert saved['table'].count('\n') >= 8  # header, column names, 7 rows (+ notes)
+    assert saved['table'].count('\n') >= 12  # header, column names, 11 rows (+ notes)
+    assert saved['machine']['cpu_bf16'] in (None, 'AMX-BF16', 'AVX512-BF16')
     assert 'not measured' not in saved['table']
 
 
@@ -49,6 +51,43 @@ def test_bench_ratios_are_finite_and_positive(tiny_run):
     a = rows['adaptive_exit']
     assert 1 <= a['mean_loops'] <= a['fixed_loops']
     assert 0 < rows['mfu']['mfu_vs_matmul'] < 10
+
+
+def test_dtype_rows_report_both_dtypes_against_their_own_ceilings(tiny_run):
+    rows = tiny_run[0]['rows']
+    p = rows['vs_plain']
+    assert p['params'] == p['plain_params']
+    for dtype in ('float32', 'bfloat16'):
+        assert math.isfinite(p[f'ratio_{dtype}']) and p[f'ratio_{dtype}'] > 0
+        assert p[f'nanoloop_tok_s_{dtype}'] > 0 and p[f'plain_tok_s_{dtype}'] > 0
+        c = rows['mfu_dtype']['ceilings'][dtype]
+        assert set(c['by_size']) == {'128', '256'} and c['flops'] == max(c['by_size'].values())
+        assert 0 < rows['mfu_dtype'][f'mfu_{dtype}'] < 10
+        assert rows['attention'][f'auto_{dtype}'] in ('sdpa', 'math', 'explicit')
+        assert rows['attention'][f'auto_vs_fastest_{dtype}'] >= 1
+    assert rows['bf16']['ratio'] > 0 and rows['mfu_dtype']['auto_dtype'] in ('float32', 'bfloat16')
+    # row 7 measures against the ceiling of the dtype its step ran in (fp32 on a CPU)
+    assert rows['mfu']['matmul_dtype'] == 'float32'
+    assert rows['mfu']['matmul_flops'] == rows['mfu_dtype']['ceilings']['float32']['flops']
+
+
+def test_plain_model_is_the_default_model_written_plainly():
+    # the yardstick of row 8 is the same model: same parameters, same loss, same gradients (fp32)
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=48, block_size=16, n_embd=32, n_head=4))
+    plain = bench.PlainLoopedGPT(gpt)
+    assert sum(p.numel() for p in plain.parameters()) == gpt.get_num_params(non_embedding=False)
+    X, Y = bench.batch(dict(batch_size=3, block_size=16, vocab_size=48), torch.device('cpu'))
+    loss, plain_loss = gpt(X, Y)[1], plain(X, Y)[1]
+    assert torch.allclose(loss, plain_loss, atol=1e-5)
+    loss.backward()
+    plain_loss.backward()
+    assert torch.allclose(gpt.lm_head.weight.grad, plain.lm_head.weight.grad, atol=1e-5)
+    for mine, theirs in zip(plain.layers, gpt.transformer.h):
+        assert torch.allclose(mine.qkv.weight.grad, theirs.attn.c_attn.weight.grad, atol=1e-5)
+        assert torch.allclose(mine.fc.weight.grad, theirs.mlp.c_fc.weight.grad, atol=1e-5)
+        assert torch.allclose(mine.ln_1.weight.grad, theirs.ln_1.weight.grad, atol=1e-5)
 
 
 def test_looped_training_forward_has_no_graph_breaks(tiny_run):
@@ -74,7 +113,8 @@ def test_matmul_ceiling_is_plausible():
 
 @pytest.mark.parametrize('flag, says', [('--bogus', 'unrecognized arguments: --bogus'),
                                         ('--repaets=2', 'did you mean --repeats?'),
-                                        ('--repeats=-1', '--repeats=-1: must be >= 0')])
+                                        ('--repeats=-1', '--repeats=-1: must be >= 0'),
+                                        ('--only=mfu,speed', '--only=speed: choose among')])
 def test_a_bad_flag_is_one_error_line(repo_dir, flag, says):
     out = subprocess.run([sys.executable, 'bench.py', flag], cwd=repo_dir, capture_output=True, text=True,
                          timeout=120)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, LinearCrossEntropy, peak_flops
+from model import GPT, GPTConfig, LinearCrossEntropy, attention, attention_path, auto_dtype, peak_flops
 
 V, T = 48, 16
 
@@ -27,7 +27,7 @@ def batch(B=3, seed=1):
 
 @pytest.mark.parametrize('key,value', [('readout', 'softmax'), ('block', 'preln2'), ('supervision', 'dense'),
                                        ('inter_loop_norm', 'batchnorm'), ('init', 'xavier'),
-                                       ('pos', 'alibi')])
+                                       ('pos', 'alibi'), ('attn_impl', 'flash')])
 def test_unknown_choice_error_lists_the_allowed_values(key, value):
     with pytest.raises(ValueError) as e:
         GPTConfig(**{key: value})
@@ -265,6 +265,78 @@ def test_loop_eps_scales_prenorm_branches_by_lambda_over_R_sqrt_K_and_zero_is_of
         assert torch.allclose(b(x), y + eps * b.mlp(rms_norm(y, b.ln_2)), atol=1e-5)
 
 
+# ---------------------------------------------------------------- attention paths
+
+ATTN_IMPLS = ('sdpa', 'math', 'explicit')
+
+
+@pytest.mark.parametrize('impl', ATTN_IMPLS)
+@pytest.mark.parametrize('Tq,Tk,causal', [(16, 16, True), (1, 9, False), (5, 5, False)])
+def test_every_attention_path_computes_masked_softmax_attention(impl, Tq, Tk, causal):
+    # softmax(q k^T / sqrt(hs) + mask) v written out in float64: a prompt at position 0 (causal, top-left
+    # aligned) and one new token against a cache of 9 keys (no mask), forward and backward
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for T in (Tq, Tk, Tk))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+    if causal:
+        att = att.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool).tril().logical_not(), float('-inf'))
+    expected = att.softmax(-1) @ v
+    y = attention(q, k, v, causal, impl)
+    assert torch.allclose(y, expected, atol=1e-12)
+    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((y * w).sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad((expected * w).sum(), (q, k, v))):
+        assert torch.allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize('impl', ('math', 'explicit'))
+@pytest.mark.parametrize('kw', [dict(), dict(pos='rope', block='sandwich', depth_scaling='deeploop')])
+def test_every_attention_path_trains_the_same_model(impl, kw):
+    # the whole model in fp32: the loss and every gradient agree with the sdpa path to float rounding
+    idx, tgt = batch()
+    ref, other = tiny(attn_impl='sdpa', **kw), tiny(attn_impl=impl, **kw)
+    grads = []
+    for m in (ref, other):
+        loss = m(idx, tgt)[1]
+        loss.backward()
+        grads.append((loss, {n: p.grad for n, p in m.named_parameters()}))
+    (l0, g0), (l1, g1) = grads
+    assert torch.allclose(l0, l1, atol=1e-6, rtol=1e-6)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-6, rtol=1e-5), n
+
+
+@pytest.mark.parametrize('impl', ATTN_IMPLS)
+def test_every_attention_path_agrees_under_bf16_autocast(impl):
+    # bf16 rounds every path differently; each stays within bf16's resolution of the fp32 loss
+    idx, tgt = batch()
+    m = tiny(attn_impl=impl)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        low = m(idx, tgt)[1]
+    assert low.dtype == torch.float32
+    assert abs(low.item() - m(idx, tgt)[1].item()) < 0.02 * low.item()
+
+
+def test_auto_attention_is_explicit_only_for_short_low_precision_cpu_attention():
+    # measured (README, Performance): the CPU flash kernel wins in fp32 and at long contexts, loses in bf16
+    assert attention_path('auto', 'cpu', torch.float32, 64) == 'sdpa'
+    assert attention_path('auto', 'cpu', torch.bfloat16, 64) == 'explicit'
+    assert attention_path('auto', 'cpu', torch.bfloat16, 4096) == 'sdpa'
+    assert attention_path('auto', 'cuda', torch.bfloat16, 64) == 'sdpa'
+    for impl in ATTN_IMPLS:  # a named path is taken as given
+        assert attention_path(impl, 'cpu', torch.bfloat16, 64) == impl
+
+
+def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_bf16_units(monkeypatch):
+    import model
+    monkeypatch.setattr(model, 'cpu_bf16_units', lambda: None)
+    assert auto_dtype('cpu') == ('float32', 'no bf16 units on this CPU')
+    monkeypatch.setattr(model, 'cpu_bf16_units', lambda: 'AVX512-BF16')
+    assert auto_dtype('cpu') == ('bfloat16', 'the CPU has AVX512-BF16')
+    assert auto_dtype('mps')[0] == 'float32'
+
+
 # ---------------------------------------------------------------- the lean per-loop loss
 
 @pytest.mark.parametrize('kw', [dict(), dict(supervision='terminal'),
@@ -370,6 +442,14 @@ def test_looped_forward_compiles_without_graph_breaks():
                 assert explanation.graph_count == 1
 
 
+@pytest.mark.parametrize('impl', ('math', 'explicit'))
+def test_every_attention_path_compiles_without_graph_breaks(impl):
+    idx, tgt = batch()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        explanation = torch._dynamo.explain(tiny(attn_impl=impl))(idx, tgt)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
 def test_compiled_model_recompiles_once_per_distinct_n_loop():
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
@@ -386,7 +466,8 @@ def test_compiled_model_recompiles_once_per_distinct_n_loop():
 # ---------------------------------------------------------------- decoding
 
 @pytest.mark.parametrize('kw', [dict(), dict(pos='rope', block='sandwich', depth_scaling='deeploop'),
-                                dict(inter_loop_norm='layernorm', readout='final_only')])
+                                dict(inter_loop_norm='layernorm', readout='final_only'),
+                                dict(attn_impl='explicit'), dict(attn_impl='math', pos='rope')])
 def test_cached_decoding_equals_full_recompute(kw):
     m = tiny(**kw).eval()
     idx, _ = batch(B=2)

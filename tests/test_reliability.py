@@ -88,11 +88,14 @@ def test_resume_with_architecture_change_names_every_differing_key(run_dir):
 
 
 def make_previous_version(path):
-    """The checkpoint as the previous model.py wrote it: its config had bias, tie_weights and exit_weights
-    (always False, True and () in practice) and train.py's vocab_size=0 meant 'from meta.json'."""
+    """The checkpoint as earlier model.py versions wrote it: its config had bias, tie_weights and
+    exit_weights (always False, True and () in practice), train.py's vocab_size=0 meant 'from meta.json',
+    and there was no attn_impl key yet."""
     ckpt = torch.load(path, weights_only=True)
     ckpt['model_args'].update(bias=False, tie_weights=True, exit_weights=())
     ckpt['config'].update(bias=False, tie_weights=True, exit_weights=(), vocab_size=0)
+    for args in (ckpt['model_args'], ckpt['config']):
+        del args['attn_impl']
     torch.save(ckpt, path)
     return ckpt
 
@@ -104,6 +107,15 @@ def test_a_checkpoint_of_the_previous_version_loads_samples_and_resumes(run_dir)
     code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=3'], run_dir)
     assert code == 0, err
     assert torch.load(run_dir / 'out' / 'ckpt.pt', weights_only=True)['iter_num'] == 3
+
+
+def test_resume_may_change_the_attention_kernel_but_not_the_architecture(run_dir):
+    # attn_impl picks how attention is computed, not what: a resume may switch it, and says so
+    args = ['--init_from=resume', '--out_dir=out', '--max_iters=3', '--attn_impl=explicit']
+    code, out, err = run_train(args, run_dir)
+    assert code == 0, err
+    assert "resume: attn_impl 'auto' -> 'explicit'" in out
+    assert torch.load(run_dir / 'out' / 'ckpt.pt', weights_only=True)['model_args']['attn_impl'] == 'explicit'
 
 
 def test_a_checkpoint_with_a_retired_setting_is_refused_in_one_line(run_dir, capsys):

@@ -226,6 +226,20 @@ def test_default_run_downloads_and_prepares_missing_shakespeare_char(tmp_path, m
     assert (tmp_path / 'data' / 'shakespeare_char' / 'input.txt').read_text(encoding='utf-8') == text
 
 
+def test_dtype_auto_says_what_it_chose_and_why(tmp_path):
+    # auto: bf16 autocast on a CPU with bf16 units, fp32 on one without (model.auto_dtype); the startup line
+    # names the choice and its reason
+    from model import auto_dtype
+    write_data(tmp_path)
+    args = [a for a in TINY if not a.startswith('--dtype')] + ['--max_iters=1', '--eval_interval=1']
+    code, out, err = run_train([*args, '--out_dir=out'], tmp_path)
+    assert code == 0, err
+    dtype, why = auto_dtype('cpu')
+    assert f"device: cpu, 1 threads, {dtype} (auto: {why}), 1 process(es)" in out
+    code, out, err = run_train([*args, '--dtype=float32', '--out_dir=out32'], tmp_path)
+    assert code == 0 and "device: cpu, 1 threads, float32, 1 process(es)" in out
+
+
 def test_per_loop_rmsnorm_default_shows_growing_loop_norms(tmp_path):
     # the embedded default is paper 1's blind-spot setting (per-loop CE, RMSNorm readout, reference init);
     # even a few dozen steps at d 32 show ||h_k|| growing with k and with training (docs/papers.md §1)
