@@ -191,7 +191,7 @@ def test_cli_writes_table_and_json(tiny_ckpt, tiny_data, capsys):
     assert res['throughput']['fixed']['tok_per_s'] > 0
 
 
-# ---------------------------------------------------------------- visit alignment kappa_R (docs/papers.md §2)
+# ------------------------------------------------------------ visit alignment kappa_R (docs/papers.md §2)
 
 def test_kappa_is_R_for_aligned_visits_one_for_orthogonal_and_zero_for_cancelling():
     g = torch.randn(4, 3)
