@@ -69,7 +69,8 @@ def test_every_cited_file_and_section_exists():
 
 
 def test_the_project_speaks_only_of_itself():
-    words = re.compile(r'\b(issue|issues) \d+\b|\bthis session\b|\bin this session\b', re.I)
+    # tracker numbers and talk of work sessions (spelled in pieces so this line does not match itself)
+    words = re.compile(r'\b(?:iss)ues? \d+\b|\bth(?:is) sess(?:ion)\b', re.I)
     for path in tracked('*.py', '*.md', '*.sh', 'config/*'):
         assert not words.search(path.read_text(encoding='utf-8')), path
 
