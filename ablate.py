@@ -2,7 +2,7 @@ r"""
 Sweeps: a preset's config arms x seeds -> one train.py run each (own out_dir) -> eval_depth.py -> a report
 (markdown tables + PNG plots). The two presets reproduce the papers' ablations (docs/papers.md §1, §2):
 
-    python ablate.py blindspot   # paper 1: 7 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
+    python ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
     python ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --set max_iters=100
@@ -44,7 +44,7 @@ import torch
 import configurator
 from configurator import gpt_config, model_keys
 from errors import Parser, die, duration
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, auto_dtype
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,12 +68,13 @@ DEEPLOOP_LRS = (1e-3, 3e-3)   # post-norm blocks are far more LR-sensitive than 
 
 PRESETS = {
     'blindspot': dict(
-        title="Paper 1, the readout blind spot: seven arms + inter-loop norm + RMSNorm/raw under init=gpt2",
+        title="Paper 1, the readout blind spot: eight arms + inter-loop norm + RMSNorm/raw under init=gpt2",
         laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='blindspot',
         arms=[
             arm('terminal_rmsnorm', 'config/terminal_rmsnorm.py'),
             arm('terminal_raw', 'config/terminal_raw.py'),
             arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
+            arm('loop_layernorm', 'config/loop_layernorm.py'),
             arm('loop_raw', 'config/loop_raw.py'),
             arm('loop_final_only', 'config/loop_final_only.py'),
             arm('terminal_penalty', 'config/terminal_penalty.py'),
@@ -333,7 +334,26 @@ def run_sweep(jobs, preset, launcher, args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'sweep.json'), 'w', encoding='utf-8') as fh:
         json.dump(dict(command=args.command, wall_seconds=round(time.time() - t0, 1), workers=n_workers,
-                       cores_per_run=len(slots.cores[0])), fh)
+                       cores_per_run=len(slots.cores[0]), commit=code_version(),
+                       dtype=resolved_dtype(jobs[0]['cfg'])), fh)
+
+
+def code_version():
+    """The commit the sweep ran (with '+local changes' if the tree differed from it), for the report."""
+    def git(*a):
+        proc = subprocess.run(['git', '-C', REPO, *a], capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ''
+    commit = git('rev-parse', '--short=12', 'HEAD') or 'unknown'
+    return commit + (' + local changes' if git('status', '--porcelain', '--untracked-files=no') else '')
+
+
+def resolved_dtype(cfg):
+    """The dtype the runs trained in: dtype='auto' resolved the way train.py resolves it."""
+    if cfg['dtype'] != 'auto':
+        return cfg['dtype']
+    device = cfg['device'] if cfg['device'] != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    dtype, why = auto_dtype(device.split(':')[0])
+    return f"{dtype} (auto: {why})"
 
 # -----------------------------------------------------------------------------
 # data floor and compute estimates
@@ -717,6 +737,7 @@ def report_header(preset, jobs, n_arms, args, sweep):
             f"{sweep.get('workers', '?')} run(s) at a time, "
             f"{sweep.get('cores_per_run', '?')} CPU core(s) each; "
             f"train time summed over runs: {train_minutes:.1f} min.",
+            f"Code: commit {sweep.get('commit', '?')}; dtype {sweep.get('dtype', '?')}.",
             ""]
 
 
