@@ -4,6 +4,7 @@ Sweeps: a preset's config arms x seeds -> one train.py run each (own out_dir) ->
 
     python ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
+    python ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
     python ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --set max_iters=100
 
@@ -91,6 +92,23 @@ PRESETS = {
                   tags=dict(variant=v, R=R, lr=lr))
               for lr in DEEPLOOP_LRS for R in DEEPLOOP_RS for v, block, ds in DEEPLOOP_VARIANTS]),
 }
+
+# the recurrent-depth family at the blind-spot sweep's size (docs/papers.md §4); each arm adds to the one
+# before up to the random-depth arm; n_loop = 3 makes the sampled depth's mean 4 (n_loop + 1)
+RANDOM_DEPTH = dict(loop_sampling='poisson_lognormal', n_loop=3, backprop_loops=2)
+PRESETS['recurrent'] = dict(
+    title="The recurrent-depth family: does the blind spot survive injection, random depth, a coda, a gate?",
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='recurrent',
+    eval_args=['--exits=16'],
+    arms=[
+        arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
+        arm('inject_add', 'config/loop_rmsnorm.py', injection='add'),
+        arm('random_depth', 'config/loop_rmsnorm.py', injection='add', **RANDOM_DEPTH),
+        arm('huginn', 'config/loop_rmsnorm.py', 'config/huginn.py', n_loop=3),
+        arm('ouro', 'config/loop_rmsnorm.py', 'config/ouro.py'),
+    ])
+TEST_LOOPS = (1, 2, 4, 8, 16)  # the recurrent report's test-time depths
+HALT_POLICIES = ('margin', 'kl', 'gate')  # ... and its exits
 
 ESCAPE_MARGIN = 0.2  # nats: a run 'escaped' the unigram floor if its final val loss < floor - this
 
@@ -325,7 +343,7 @@ def run_sweep(jobs, preset, launcher, args):
     order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive runs first: the workers finish together
     print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {len(slots.cores[0])}; "
           f"runs in {args.out}/", flush=True)
-    eval_args = shlex.split(args.eval_args)
+    eval_args = preset.get('eval_args', []) + shlex.split(args.eval_args)
 
     def run(job):
         return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval)
@@ -495,7 +513,7 @@ def depth_row(name, d):
     R = d[0]['n_loop']
     ce = mean_vec([x['fixed']['ce'] for x in d])
     cal = [x['calibrated'][x['calibrated']['policy']] for x in d]  # its threshold may be null: never exit
-    return (f"| {name} | {vec(ce[:R], '.3f')} | {vec(ce[R:], '.3f')} | "
+    return (f"| {name} | {vec(ce[:R], '.3f')} | {vec(ce[R:2 * R], '.3f')} | "
             f"{fmt(mean([x['dppl_1_to_R'] for x in d]), '+.3f')} | "
             f"{fmt(mean([c['held_avg_loops'] for c in cal]), '.2f')} | "
             f"{fmt(mean([c['held_ppl_ratio'] for c in cal]), '.4f')} | "
@@ -615,7 +633,7 @@ def plot_pareto(plt, arms, report_dir, prefix):
 
 
 def plot_exit_ce(plt, arms, report_dir, prefix):
-    """Val CE at every exit 1..2R, a dashed line after exit R."""
+    """Val CE at every exit eval_depth measured (1..4R by default), a dashed line after exit R."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     R = None
     for i, name in enumerate(arms):
@@ -635,6 +653,46 @@ def plot_exit_ce(plt, arms, report_dir, prefix):
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return save(fig, plt, report_dir, f'{prefix}_exit_ce.png')
+
+# -----------------------------------------------------------------------------
+# the recurrent-depth report: test-time depth, scale over training, halting by margin / KL / gate
+
+def test_depth_row(name, runs):
+    d = depths(runs)
+    if not d:
+        return f"| {name} | n/a |" + " n/a |" * (len(TEST_LOOPS) + 1)
+    ce = mean_vec([x['fixed']['ce'] for x in d])
+    at = [ce[n - 1] if n <= len(ce) else None for n in TEST_LOOPS]
+    best = min(range(len(ce)), key=lambda i: ce[i] if ce[i] is not None else math.inf) + 1
+    sampled = d[0]['model_args'].get('loop_sampling', 'fixed') != 'fixed'
+    trained = f"{d[0]['n_loop'] + 1} (mean, sampled)" if sampled else str(d[0]['n_loop'])
+    return f"| {name} | {trained} | " + " | ".join(fmt(c, '.3f') for c in at) + f" | {best} |"
+
+
+def halting_row(name, runs):
+    cal = [x['calibrated'] for x in depths(runs)]
+    cells = []
+    for p in HALT_POLICIES:
+        got = [c[p] for c in cal if p in c]
+        cells.append(f"{fmt(mean([g['held_avg_loops'] for g in got]), '.2f')} / "
+                     f"{fmt(mean([g['held_ppl_ratio'] for g in got]), '.4f')}" if got else "n/a")
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def recurrent_report(arms, header, report_dir, prefix):
+    lines = header + [
+        "### Test-time depth: val CE (eval_depth, fixed depth) at loops "
+        + ", ".join(map(str, TEST_LOOPS)), "",
+        "| arm | trained loops | " + " | ".join(f"CE @ {n}" for n in TEST_LOOPS) + " | best loop |",
+        "|---|---|" + "---|" * (len(TEST_LOOPS) + 1)] + [test_depth_row(n, r) for n, r in arms.items()]
+    lines += [""] + scale_table(arms) + ["", "### Calibrated halting (held-out half): average loops / PPL "
+              "relative to fixed depth R, per exit policy", "",
+              "| arm | " + " | ".join(HALT_POLICIES) + " |", "|---|" + "---|" * len(HALT_POLICIES)]
+    lines += [halting_row(n, r) for n, r in arms.items()]
+    plt = plt_or_none()
+    plots = [] if plt is None else [plot_norms(plt, arms, report_dir, prefix),
+                                    plot_exit_ce(plt, arms, report_dir, prefix)]
+    return lines + [""] + [f"![{p}]({p})" for p in plots]
 
 # -----------------------------------------------------------------------------
 # the DeepLoop report: escaped runs per variant x (R, lr), and the loss curves
@@ -756,6 +814,8 @@ def write_report(preset_name, preset, jobs, args, sweep):
     prefix = preset_name
     if preset['report'] == 'blindspot':
         lines = blindspot_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'recurrent':
+        lines = recurrent_report(arms, header, args.report_dir, prefix)
     else:
         floor = unigram_floor(os.path.join('data', jobs[0]['cfg']['dataset']))
         lines = deeploop_report(arms, header, args.report_dir, prefix, floor)

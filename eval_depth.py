@@ -7,11 +7,11 @@ Variable-depth diagnostics of a trained looped GPT: what does each loop buy, and
 
 On n_seqs validation windows of the training context length it reports, on stdout and in a JSON file
 (default <out_dir>/eval_depth.json):
-  fixed depth      val CE / PPL and ||h_k|| at every exit k = 1..R, and R+1..2R (extrapolation: more loops
+  fixed depth      val CE / PPL and ||h_k|| at every exit k = 1..R, and R+1..4R (extrapolation: more loops
                    than trained)
-  adaptive exit    sequence granularity: a sequence stops at the first exit k < R whose confidence (its
-                   tokens' mean max-prob, top1-top2 logit margin, or 1 - H/log V) reaches a threshold,
-                   else at R;
+  adaptive exit    sequence granularity: a sequence stops at the first exit k < R whose score (its tokens'
+                   mean max-prob, top1-top2 logit margin, 1 - H/log V, -KL to the previous exit, or the
+                   learned gate's cumulative exit probability) reaches a threshold, else at R;
                    thresholds at quantiles of the scores; the curve average loops vs PPL
   calibrated       the threshold with the fewest average loops whose PPL <= 1.01 x the fixed-R PPL on a
   halting          calibration half (even-numbered windows), then tested on the other half, with real
@@ -35,7 +35,9 @@ from torch.nn import functional as F
 
 import checkpoint
 from errors import Parser, die
-from model import EXIT_POLICIES as POLICIES, exit_score
+from model import EXIT_POLICIES, exit_score
+
+TIMED_POLICIES = ('maxprob', 'margin', 'entropy')  # depth_pass drops exited rows: stateless scores only
 from prepare import load_meta
 
 CLAMPS = ('none', 'radial', 'freeze')
@@ -66,12 +68,12 @@ def clamped_states(model, idx, n_loop=None, clamp='none'):
     R = model.config.n_loop if n_loop is None else n_loop
     states, x_in = [], None
 
-    def carry(k, h):  # what enters loop k+1: the clamped state h_k, through the model's own loop norm
+    def clamped(k, h, carry):  # what enters loop k+1: the clamped h_k, through the model's own carry
         nonlocal x_in
-        x_in = model.transformer.ln_loop(states[-1])
+        x_in = carry(states[-1])
         return x_in
 
-    for k, h in model.loops(model.embed(idx), R, between=carry):
+    for k, h in model.loops(model.embed(idx), R, between=clamped):
         if k > 1 and clamp == 'radial':
             h = remove_radial(h, x_in)
         elif k > 1 and clamp == 'freeze':
@@ -89,22 +91,30 @@ def seq_ce(logits, targets):
     return ce.view(B, T).mean(1)
 
 
+def policies(model):
+    """The exit policies this model has: all of model.EXIT_POLICIES, 'gate' only with a learned gate."""
+    return [p for p in EXIT_POLICIES if p != 'gate' or model.config.exit_gate == 'learned']
+
+
 @torch.no_grad()
 def exit_stats(model, X, Y, n_loop, batch_size, clamp='none'):
     """Run every window through n_loop loops. Returns ce (N, n_loop) per-sequence CE at every exit,
-    scores {policy: (N, n_loop)} per-sequence mean confidence, norms (n_loop,) mean per-token ||h_k||."""
-    ce, norms, scores = [], [], {p: [] for p in POLICIES}
+    scores {policy: (N, n_loop)} per-sequence mean exit score (model.exit_scorer; 'kl' is -inf at exit 1),
+    norms (n_loop,) mean per-token ||h_k||."""
+    ce, norms, scores = [], [], {p: [] for p in policies(model)}
     for i in range(0, X.size(0), batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
         states = clamped_states(model, idx, n_loop, clamp)
-        c, s = [], {p: [] for p in POLICIES}
+        c, s = [], {p: [] for p in scores}
+        scorers = {p: model.exit_scorer(p) for p in scores}
         for k, h in enumerate(states, start=1):
-            logits = model.readout(h, k)  # (B, T, V)
+            z = model.head_input(h, k)
+            logits = model.lm_head(z)  # (B, T, V)
             c.append(seq_ce(logits, tgt))
-            for p in POLICIES:
-                s[p].append(exit_score(logits, p).mean(1))
+            for p, score in scorers.items():
+                s[p].append(score(z, logits).mean(1))
         ce.append(torch.stack(c, 1))
-        for p in POLICIES:
+        for p in scores:
             scores[p].append(torch.stack(s[p], 1))
         norms.append(torch.stack([h.float().norm(dim=-1).sum() for h in states]))
     n_tok = X.numel()
@@ -136,6 +146,9 @@ def adaptive(ce, scores, threshold):
 def quantile_thresholds(scores, qs):
     """Thresholds at quantiles qs of the scores of exits 1..R-1 (the only ones a threshold acts on)."""
     pooled = scores[:, :-1].reshape(-1).double()
+    pooled = pooled[torch.isfinite(pooled)]  # kl's exit 1 (-inf): never an exit
+    if pooled.numel() == 0:
+        return [math.inf] * len(qs)  # no exit a threshold could open (kl at R = 2)
     return torch.quantile(pooled, torch.as_tensor(qs, dtype=torch.float64)).tolist()
 
 
@@ -146,6 +159,8 @@ def calibrate(ce, scores, tol=1.01):
     limit = tol * ppl(ce[:, -1])
     best = (math.inf, float(ce.size(1)), ppl(ce[:, -1]))
     for t in torch.unique(scores[:, :-1]).tolist():
+        if not math.isfinite(t):
+            continue
         loops, p = adaptive(ce, scores, t)
         if p <= limit and (loops, p) < (best[1], best[2]):
             best = (t, loops, p)
@@ -170,7 +185,7 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
     for i in range(0, X.size(0), batch_size):
         tgt, stay = Y[i:i + batch_size], None
         # rows that exited leave the batch before the next loop
-        drop_exited = lambda k, h: model.transformer.ln_loop(h if stay is None else h[stay])
+        drop_exited = lambda k, h, carry: carry(h) if stay is None else carry(h[stay], rows=stay)
         for k, h in model.loops(model.embed(X[i:i + batch_size]), R, between=drop_exited):
             if threshold is None and k < R:
                 continue
@@ -220,7 +235,10 @@ def radial_gradient(model, X, Y, batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
         with torch.enable_grad():
             states = model.states(idx)
-            grads = torch.autograd.grad(model.loss(states, tgt), states, allow_unused=True)
+            # with backprop_loops the early states have no graph: no gradient reaches them (fraction 0)
+            live = [h for h in states if h.requires_grad]
+            live_grads = iter(torch.autograd.grad(model.loss(states, tgt), live, allow_unused=True))
+            grads = [next(live_grads) if h.requires_grad else None for h in states]
             for k, (h, g) in enumerate(zip(states, grads)):
                 total_frac[k] += radial_fraction(g, h) if g is not None else 0.0
                 hk = h.detach().requires_grad_(True)
@@ -306,7 +324,7 @@ def val_windows(data_dir, meta, T, n_seqs):
 def adaptive_curves(ce, scores, quantiles):
     """Average loops vs PPL of every policy, thresholds at score quantiles (ce, scores (N, R))."""
     out = {}
-    for p in POLICIES:
+    for p in scores:
         thr = quantile_thresholds(scores[p], quantiles)
         pts = [adaptive(ce, scores[p], t) for t in thr]
         out[p] = dict(quantile=list(quantiles), threshold=thr, avg_loops=[loops for loops, _ in pts],
@@ -318,7 +336,7 @@ def calibrated_halting(ce, scores, tol, policy):
     """Every policy's threshold calibrated on the even windows, tested on the odd ones."""
     cal, held = torch.arange(0, ce.size(0), 2), torch.arange(1, ce.size(0), 2)
     out = dict(tol=tol, policy=policy, fixed_ppl_cal=ppl(ce[cal, -1]), fixed_ppl_held=ppl(ce[held, -1]))
-    for p in POLICIES:
+    for p in scores:
         t, loops, pc = calibrate(ce[cal], scores[p][cal], tol)
         lh, ph = adaptive(ce[held], scores[p][held], t)
         out[p] = dict(threshold=t, cal_avg_loops=loops, cal_ppl=pc, held_avg_loops=lh, held_ppl=ph,
@@ -338,13 +356,15 @@ def throughput(model, X, Y, batch_size, threshold, policy, repeats):
 
 @torch.no_grad()
 def evaluate(model, X, Y, batch_size=16, tol=1.01, policy='margin', n_grad_seqs=64, timing_repeats=3,
-             quantiles=tuple(i / 20 for i in range(21))):
-    """Every diagnostic of this file on the windows (X, Y); returns a JSON-able dict."""
+             quantiles=tuple(i / 20 for i in range(21)), exits=0):
+    """Every diagnostic of this file on the windows (X, Y); returns a JSON-able dict. exits: fixed-depth
+    exits 1..exits (0: 4R, at least R)."""
     model.eval()
     R = model.config.n_loop
-    ce, scores, norms = exit_stats(model, X, Y, 2 * R, batch_size)  # exits 1..2R
+    n_exits = max(exits or 4 * R, R)
+    ce, scores, norms = exit_stats(model, X, Y, n_exits, batch_size)  # exits 1..n_exits
     res = dict(n_loop=R, n_seqs=X.size(0), seq_len=X.size(1))
-    res['fixed'] = dict(exit=list(range(1, 2 * R + 1)), ce=ce.mean(0).tolist(), ppl=[ppl(c) for c in ce.T],
+    res['fixed'] = dict(exit=list(range(1, n_exits + 1)), ce=ce.mean(0).tolist(), ppl=[ppl(c) for c in ce.T],
                         norm=norms.tolist())
     # docs/papers.md §1: the PPL change from exit 1 to exit R; negative means the extra loops help
     res['dppl_1_to_R'] = res['fixed']['ppl'][R - 1] - res['fixed']['ppl'][0]
@@ -372,7 +392,8 @@ def print_report(res, title):
     row = lambda name, vals, fmt: f"  {name:<28}" + ''.join(format(v, fmt).rjust(10) for v in vals)
     fx = res['fixed']
     print(title)
-    print(f"fixed depth on {res['n_seqs']} val windows x {res['seq_len']} tokens (exits {R + 1}..{2 * R}: "
+    print(f"fixed depth on {res['n_seqs']} val windows x {res['seq_len']} tokens (exits "
+          f"{R + 1}..{len(fx['exit'])}: "
           f"more loops than trained)")
     print(row('exit k', fx['exit'], 'd'))
     print(row('val CE', fx['ce'], '.4f'))
@@ -405,7 +426,9 @@ def print_report(res, title):
     print(f"  {'policy':<10}{'threshold':>12}{'cal loops':>11}{'cal PPL':>10}{'held loops':>12}"
           f"{'held PPL':>10}"
           f"{'x fixed':>9}")
-    for p in POLICIES:
+    for p in EXIT_POLICIES:
+        if p not in cal:
+            continue
         c = cal[p]
         print(f"  {p:<10}{c['threshold']:>12.4g}{c['cal_avg_loops']:>11.2f}{c['cal_ppl']:>10.3f}"
               f"{c['held_avg_loops']:>12.2f}{c['held_ppl']:>10.3f}{c['held_ppl_ratio']:>9.4f}")
@@ -435,12 +458,16 @@ def main(argv=None):
     ap.add_argument('--seq_len', type=int, default=0, help='tokens per window; 0 = the model block_size')
     ap.add_argument('--batch_size', type=int, default=16)
     ap.add_argument('--tol', type=float, default=1.01, help='calibrated halting: PPL <= tol x fixed-R PPL')
-    ap.add_argument('--policy', default='margin', choices=POLICIES, help='policy of the timed batching')
+    ap.add_argument('--policy', default='margin', choices=TIMED_POLICIES,
+                    help='policy of the timed batching')
     ap.add_argument('--n_grad_seqs', type=int, default=64, help='windows for the radial gradient fraction')
     ap.add_argument('--timing_repeats', type=int, default=3)
+    ap.add_argument('--exits', type=int, default=0, help='fixed-depth exits 1..this (0: 4R)')
     ap.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N')
     ap.add_argument('--json', default=None, help='output file; default <out_dir>/eval_depth.json')
     args = ap.parse_args(argv)
+    if args.exits < 0:
+        die(f"--exits={args.exits}: must be >= 0 (0 = 4R)")
     for name in ('n_seqs', 'batch_size', 'n_grad_seqs', 'timing_repeats'):
         if getattr(args, name) < 1:
             die(f"--{name}={getattr(args, name)}: must be >= 1")
@@ -461,7 +488,7 @@ def main(argv=None):
     X, Y = val_windows(data_dir, meta, T, args.n_seqs)
     t0 = time.time()
     res = evaluate(model, X.to(device), Y.to(device), args.batch_size, args.tol, args.policy,
-                   args.n_grad_seqs, args.timing_repeats)
+                   args.n_grad_seqs, args.timing_repeats, exits=args.exits)
     res.update(checkpoint=ckpt_path, iter_num=ckpt.get('iter_num'), dataset=ckpt.get('dataset'),
                model_args=ckpt['model_args'], seconds=round(time.time() - t0, 2))
     print_report(res, f"eval_depth: {ckpt_path} (iter {ckpt.get('iter_num')}; {cfg.supervision} supervision, "

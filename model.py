@@ -11,20 +11,27 @@ The two papers this file implements (formulas and numbers in docs/papers.md):
    `readout`, `supervision`, `norm_penalty`, `inter_loop_norm`.
 2) DeepLoop (§2): post-norm blocks with alpha = (2N)^p on the skip path and an init-only gain
    beta = (8N)^-p; p = 1/4 is DeepNorm, p = 1/2 is DeepLoop. Knobs: `block`, `depth_scaling`.
+And the recurrent-depth family around them (§4, all off by default): untied prelude/coda blocks, the
+prelude output injected into every loop, a random loop count per training step with truncated backprop
+(Huginn), and a learned exit gate (Ouro). Knobs: `n_prelude`, `n_coda`, `injection`, `loop_sampling`,
+`max_loop`, `backprop_loops`, `exit_gate`, `exit_entropy`.
 
 Where to look: the loop is GPT.loops (written once: training, decoding, early exit and every diagnostic go
 through it), the readout GPT.readout, the loss GPT.loss / LinearCrossEntropy, the scaling rule
-GPTConfig.alpha / GPTConfig.beta, applied in Block and GPT._init_weights.
+GPTConfig.alpha / GPTConfig.beta, applied in Block and GPT._init_weights; the exits' scores exit_score /
+GPT.exit_scorer.
 """
 
 import math
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 # the named choices of every model key; GPTConfig.__post_init__ checks against these
 MODEL_CHOICES = dict(
@@ -34,10 +41,14 @@ MODEL_CHOICES = dict(
     init=('reference', 'gpt2'),
     readout=('rmsnorm', 'layernorm', 'raw', 'final_only'),
     supervision=('per_loop', 'terminal'),
-    inter_loop_norm=('none', 'rmsnorm', 'layernorm'),
+    inter_loop_norm=('none', 'rmsnorm', 'layernorm', 'readout'),
     block=('preln', 'postln', 'sandwich'),
     attn_impl=('auto', 'sdpa', 'math', 'explicit'),
+    injection=('none', 'add', 'concat'),
+    loop_sampling=('fixed', 'poisson_lognormal'),
+    exit_gate=('none', 'learned'),
 )
+LOOP_SIGMA = 0.5  # sigma of the log-normal in loop_sampling='poisson_lognormal' (Huginn's 1/2, §4)
 # depth_scaling by name -> exponent p of alpha = (2N)^p, beta = (8N)^-p (docs/papers.md §2)
 DEPTH_EXPONENTS = {'none': 0.0, 'deepnorm': 0.25, 'deeploop': 0.5}
 
@@ -60,11 +71,21 @@ class GPTConfig:
     supervision: str = 'per_loop'  # per_loop: mean of the R exit CEs | terminal: exit R only
     norm_penalty: float = 0.0      # lambda of lambda * mean_k mean(h_k^2) (§1; paper 1 uses 0.01); 0 = off
     inter_loop_norm: str = 'none'  # none | rmsnorm | layernorm: norm the state between loops (scale-removing)
+                                   # | readout: the readout norm itself, fed back (Ouro, §4)
     block: str = 'preln'           # preln | postln (DeepNorm) | sandwich (DeepLoop): see Block (§2)
     depth_scaling: object = 'none'  # none | deepnorm (p=1/4) | deeploop (p=1/2) | a number p (§2)
     loop_eps: float = 0.0          # lambda of the pre-norm branch multiplier lambda/(R sqrt K) (§3); 0 = off
     attn_impl: str = 'auto'        # attention kernel: auto (measured pick, see attention_path) | sdpa | math
                                    # | explicit; the same result, only speed differs (resume may change it)
+    # the recurrent-depth family (docs/papers.md §4); the defaults switch every piece off
+    n_prelude: int = 0             # untied blocks before the loop; their output e is what injection re-feeds
+    n_coda: int = 0                # untied blocks after every exit, before the readout (shared by all exits)
+    injection: str = 'none'        # how e re-enters loops 2..R: none | add (x + e) | concat (W [x; e])
+    loop_sampling: str = 'fixed'   # training R per step: fixed (n_loop) | poisson_lognormal (mean n_loop + 1)
+    max_loop: int = 0              # cap on the sampled R; 0 = 4 x n_loop
+    backprop_loops: int = 0        # truncated backprop: gradients through the last k loops only; 0 = all
+    exit_gate: str = 'none'        # none | learned: lambda_k = sigmoid(w . z_k + b), loss sum_k p(k) CE_k
+    exit_entropy: float = 0.0      # learned gate: minus this times the entropy of p(k) in the loss
 
     def __post_init__(self):
         for key, allowed in MODEL_CHOICES.items():
@@ -79,7 +100,11 @@ class GPTConfig:
         if self.pos == 'rope' and (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(f"pos='rope' needs an even head size, got n_embd/n_head = "
                              f"{self.n_embd // self.n_head}")
-        for key in ('dropout', 'norm_penalty', 'loop_eps'):
+        for key in ('n_prelude', 'n_coda', 'max_loop', 'backprop_loops'):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key}={value!r}: must be an integer >= 0")
+        for key in ('dropout', 'norm_penalty', 'loop_eps', 'exit_entropy'):
             if not math.isfinite(getattr(self, key)):
                 raise ValueError(f"{key}={getattr(self, key)!r}: must be a finite number")
         if not 0.0 <= self.dropout < 1.0:
@@ -90,10 +115,35 @@ class GPTConfig:
             raise ValueError(f"loop_eps={self.loop_eps!r}: must be >= 0 (0 = off)")
         if self.loop_eps > 0 and self.block != 'preln':
             raise ValueError("loop_eps scales pre-norm branches: it needs block='preln'")
+        self.check_family()
         self.depth_scaling = self.parse_depth_scaling(self.depth_scaling)
         if self.depth_exponent > 0 and self.block == 'preln':
             raise ValueError(f"depth_scaling={self.depth_scaling!r} scales post-norm skips: "
                              f"use block='postln' or 'sandwich'")
+
+    def check_family(self):
+        # the keys of the recurrent-depth family that only make sense together
+        if self.max_loop and self.max_loop < self.n_loop:
+            raise ValueError(f"max_loop={self.max_loop} is below n_loop={self.n_loop}: the cap on the "
+                             f"sampled depth must be >= n_loop (or 0 = 4 x n_loop)")
+        if self.backprop_loops > self.loop_cap:
+            raise ValueError(f"backprop_loops={self.backprop_loops} exceeds max_loop={self.loop_cap}: no "
+                             f"step runs that many loops")
+        if self.exit_gate == 'learned' and self.supervision == 'terminal':
+            raise ValueError("exit_gate='learned' weights every exit's CE: it needs supervision='per_loop', "
+                             "not 'terminal'")
+        if self.exit_entropy != 0 and self.exit_gate != 'learned':
+            raise ValueError(f"exit_entropy={self.exit_entropy!r} is the learned gate's entropy bonus: set "
+                             f"exit_gate='learned' (or exit_entropy=0)")
+        if self.inter_loop_norm == 'readout' and self.readout not in ('rmsnorm', 'layernorm'):
+            raise ValueError(f"inter_loop_norm='readout' feeds the readout norm back: it needs "
+                             f"readout='rmsnorm' or 'layernorm', not {self.readout!r}")
+        if self.exit_entropy < 0:
+            raise ValueError(f"exit_entropy={self.exit_entropy!r}: must be >= 0")
+
+    @property
+    def loop_cap(self):
+        return self.max_loop or 4 * self.n_loop  # the most loops a training step may draw
 
     @staticmethod
     def parse_depth_scaling(p):
@@ -120,8 +170,9 @@ class GPTConfig:
     def n_unrolled(self):
         # N counts unrolled blocks K*R (every visit of a shared layer is one more block of depth), the reading
         # DeepLoop argues for; DeepNorm in an untied model would use N = K. The training R is used, also when
-        # n_loop is changed at inference time: alpha and beta are fixed when the model is built.
-        return self.n_layer * self.n_loop
+        # n_loop is changed at inference time: alpha and beta are fixed when the model is built. Prelude and
+        # coda blocks add their depth.
+        return self.n_prelude + self.n_layer * self.n_loop + self.n_coda
 
     @property
     def alpha(self):
@@ -352,7 +403,43 @@ def cross_entropy_chunked(h, weight, targets):
     return total / (tgt != -1).sum().clamp(min=1)
 
 
-EXIT_POLICIES = ('maxprob', 'margin', 'entropy')
+def token_ce(h, weight, targets):
+    """Per-token CE (B*T,) of h @ W^T, with a gradient, in the same row chunks: each chunk's logits are
+    recomputed in the backward pass (torch.utils.checkpoint), so no (B*T, V) tensor outlives its chunk. For
+    losses that weight every token's CE differently (the learned exit gate)."""
+    V, C = weight.shape
+    x, tgt = h.reshape(-1, C), targets.reshape(-1)
+    rows = ce_chunk_rows(V, h.device)
+    ce = lambda xc, tc: F.cross_entropy((xc @ weight.t()).float(), tc, ignore_index=-1, reduction='none')
+    return torch.cat([checkpoint(ce, x[i:i + rows], tgt[i:i + rows], use_reentrant=False)
+                      for i in range(0, x.size(0), rows)])
+
+
+def exit_distribution(lam):
+    """docs/papers.md §4 (Ouro): p(k) = lambda_k prod_{j<k} (1 - lambda_j) for k < R, and the last exit
+    takes the remainder prod_{j<R} (1 - lambda_j), so p sums to 1. lam (R, ...) -> p (R, ...)."""
+    stay = torch.cumprod(1 - lam, dim=0)                   # prod_{j<=k} (1 - lambda_j)
+    before = torch.cat([torch.ones_like(lam[:1]), stay[:-1]])  # prod_{j<k}
+    return torch.cat([lam[:-1] * before[:-1], before[-1:]])
+
+
+# exit policies: the three confidences of one exit's logits, the KL between successive exits (Huginn) and the
+# learned gate's cumulative exit probability (Ouro); GPT.exit_scorer scores them all
+EXIT_POLICIES = ('maxprob', 'margin', 'entropy', 'kl', 'gate')
+# the range of each policy's exit_threshold; kl's threshold is a KL bound (exit when KL <= it), the others
+# a score to reach
+THRESHOLD_RANGES = dict(maxprob=(0.0, 1.0), margin=(0.0, math.inf), entropy=(0.0, 1.0), kl=(0.0, math.inf),
+                        gate=(0.0, 1.0))
+
+
+def score_threshold(policy, threshold):
+    """The score an exit must reach under `policy` for a user's exit_threshold, checked against its range:
+    -threshold for 'kl' (scores are -KL), the threshold itself for the others."""
+    low, high = THRESHOLD_RANGES[policy]
+    if not low <= threshold <= high:
+        raise ValueError(f"exit_threshold={threshold!r} is outside [{low:g}, {high:g}], the range of "
+                         f"exit_policy={policy!r}")
+    return -threshold if policy == 'kl' else threshold
 
 
 def exit_score(logits, policy):
@@ -368,7 +455,8 @@ def exit_score(logits, policy):
         logp = logits.log_softmax(-1)
         H = -(logp.exp() * logp).sum(-1)
         return 1.0 - H / math.log(logits.size(-1))
-    raise ValueError(f"exit policy {policy!r}: choose one of {', '.join(EXIT_POLICIES)}")
+    raise ValueError(f"exit policy {policy!r}: choose one of maxprob, margin, entropy (kl and gate need "
+                     f"GPT.exit_scorer)")
 
 
 # bf16 dense peak FLOP/s by device name (datasheet numbers, no sparsity), for MFU
@@ -418,20 +506,28 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         C = config.n_embd
+        # the readout norm; a raw readout has none
+        ln_out = nn.Identity() if config.readout == 'raw' else make_norm(
+            'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, C),
             wpe=nn.Embedding(config.block_size, C) if config.pos == 'learned' else nn.Identity(),
             drop=nn.Dropout(config.dropout),
             # DeepLoop puts an RMSNorm on the embedding so RMS(x) = 1 at loop entry in post-norm stacks
             ln_emb=make_norm(config.norm, C) if config.block != 'preln' else nn.Identity(),
+            prelude=nn.ModuleList([Block(config) for _ in range(config.n_prelude)]),  # untied, run once (§4)
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),  # the K shared layers
-            # the inter-loop norm (scale-removing recurrence, docs/papers.md §1); identity unless configured
-            ln_loop=nn.Identity() if config.inter_loop_norm == 'none' else
-            make_norm(config.inter_loop_norm, C),
-            # the readout norm; a raw readout has none
-            ln_out=nn.Identity() if config.readout == 'raw' else make_norm(
-                'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C),
+            coda=nn.ModuleList([Block(config) for _ in range(config.n_coda)]),  # untied, after every exit
+            # the inter-loop norm (scale-removing recurrence, docs/papers.md §1); identity unless configured;
+            # 'readout' feeds the readout norm's output back into the next loop (Ouro, §4)
+            ln_loop=ln_out if config.inter_loop_norm == 'readout' else nn.Identity()
+            if config.inter_loop_norm == 'none' else make_norm(config.inter_loop_norm, C),
+            ln_out=ln_out,
         ))
+        if config.injection == 'concat':
+            self.transformer.adapter = nn.Linear(2 * C, C, bias=False)  # W [x; e] (Huginn); [I 0] below
+        if config.exit_gate == 'learned':
+            self.exit_gate = nn.Linear(C, 1)  # lambda_k = sigmoid(w . z_k + b) (Ouro, §4)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied: both papers' models share this matrix
         if config.pos == 'rope':
@@ -461,10 +557,14 @@ class GPT(nn.Module):
         # projection and every MLP matrix (not Q, K or the embeddings)
         if cfg.beta != 1.0:
             C = cfg.n_embd
-            for block in self.transformer.h:
+            for block in (*self.transformer.prelude, *self.transformer.h, *self.transformer.coda):
                 block.attn.c_attn.weight[2 * C:] *= cfg.beta   # rows of W_v inside the fused q|k|v matrix
                 for lin in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
                     lin.weight *= cfg.beta
+        if cfg.injection == 'concat':
+            # docs/papers.md §4: W = [I 0], so at initialisation W [x; e] = x passes the state through
+            C = cfg.n_embd
+            self.transformer.adapter.weight.copy_(torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1))
 
     def get_num_params(self, non_embedding=True):
         # parameters() yields each shared tensor once: the K layers count once however many loops run,
@@ -487,33 +587,63 @@ class GPT(nn.Module):
     def rope(self, pos, T):
         return (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if self.config.pos == 'rope' else None
 
-    def loops(self, x, n_loop, pos=0, cache=None, between=None, halted=None):
-        """The recurrence, written once: the K shared blocks applied n_loop times to x (B, T, C), the
-        embedded tokens at positions pos... Yields (k, h_k) for k = 1..n_loop: h_k is the state after loop
-        k's blocks, before its readout and any loop norm (where ||h_k|| is measured, docs/papers.md §1).
+    def untied(self, blocks, x, cache, pos):
+        # the prelude or the coda: untied blocks run once, each with its own cache slot when decoding
+        rope = self.rope(pos, x.size(1))
+        for j, block in enumerate(blocks):
+            x = block(x, rope, None if cache is None else cache[j], pos)
+        return x
 
-        between(k, h_k) -> x   what enters loop k+1: by default the inter-loop norm; diagnostics pass their
-                               own (a radial clamp, dropping rows that have exited)
-        cache                  decoding: one (K, V) slot per (loop, layer) visit, written at pos..
+    def inject(self, x, e):
+        # docs/papers.md §4: the prelude output e re-enters every loop after the first
+        if self.config.injection == 'add':
+            return x + e
+        if self.config.injection == 'concat':
+            return self.transformer.adapter(torch.cat([x, e], dim=-1))  # W [x; e], (B, T, 2C) -> (B, T, C)
+        return x
+
+    def loops(self, x, n_loop, pos=0, cache=None, between=None, halted=None):
+        """The recurrence, written once: the prelude, then the K shared blocks applied n_loop times to the
+        embedded tokens x (B, T) at positions pos... Yields (k, h_k) for k = 1..n_loop: h_k is the state after
+        loop k's blocks, before its readout and any loop norm (where ||h_k|| is measured, docs/papers.md §1).
+
+        carry(h, rows=None)    what enters loop k+1 after state h: the inter-loop norm, then the injection of
+                               the prelude output e (rows: the rows still in the batch if a caller drops any)
+        between(k, h_k, carry) -> x   what enters loop k+1; default carry(h_k); diagnostics pass their own
+                               (a radial clamp, dropping rows that have exited)
+        cache                  decoding: new_cache's slots, one (K, V) per (loop, layer) visit, written at pos
         halted                 decoding with early exit: a (B,) bool mask that the caller sets between
                                loops. A halted row keeps the state it would have entered the next loop
                                with, and every visit it skips writes the K/V of that state.
+        With backprop_loops = b > 0 (and grad enabled), loops 1..n_loop-b run without a graph (§4).
         """
         rope = self.rope(pos, x.size(1))
         K = self.config.n_layer
+        x = e = self.untied(self.transformer.prelude, x, None if cache is None else cache['prelude'], pos)
+        b = self.config.backprop_loops
+        first_grad = n_loop - b + 1 if b and torch.is_grad_enabled() else 1  # the first loop with a graph
+        grad = lambda k: nullcontext() if first_grad <= 1 else torch.set_grad_enabled(k >= first_grad)
+
+        def carry(h, rows=None):
+            nonlocal e
+            e = e if rows is None else e[rows]
+            return self.inject(self.transformer.ln_loop(h), e)
+
         for k in range(1, n_loop + 1):
-            for j, block in enumerate(self.transformer.h):  # the same K blocks every round: shared weights
-                slot = None if cache is None else cache[(k - 1) * K + j]
-                if halted is None:
-                    x = block(x, rope, slot, pos)
-                elif bool(halted.all()):
-                    block.fill_cache(x, rope, slot, pos)    # every row has exited: only K/V left to write
-                else:
-                    x = torch.where(halted[:, None, None], x, block(x, rope, slot, pos))
+            with grad(k):
+                for j, block in enumerate(self.transformer.h):  # the same K blocks every round: shared
+                    slot = None if cache is None else cache['loop'][(k - 1) * K + j]
+                    if halted is None:
+                        x = block(x, rope, slot, pos)
+                    elif bool(halted.all()):
+                        block.fill_cache(x, rope, slot, pos)    # every row has exited: only K/V left to write
+                    else:
+                        x = torch.where(halted[:, None, None], x, block(x, rope, slot, pos))
             was_halted = None if halted is None else halted.clone()
             yield k, x                                       # the caller reads out h_k, or halts rows
             if k < n_loop:
-                x_next = self.transformer.ln_loop(x) if between is None else between(k, x)
+                with grad(k + 1):                            # the carry belongs to the loop it enters
+                    x_next = carry(x) if between is None else between(k, x, carry)
                 x = x_next if halted is None else torch.where(was_halted[:, None, None], x, x_next)
 
     def states(self, idx, n_loop=None):
@@ -521,6 +651,16 @@ class GPT(nn.Module):
         R = self.config.n_loop if n_loop is None else n_loop
         assert isinstance(R, int) and R >= 1, f"n_loop must be an integer >= 1, got {R!r}"
         return [h for _, h in self.loops(self.embed(idx), R)]
+
+    def draw_n_loop(self, generator):
+        """The loop count of one training step. loop_sampling='poisson_lognormal' (Huginn, docs/papers.md
+        §4): tau ~ Normal(log n_loop - sigma^2/2, sigma), R = Poisson(e^tau) + 1, capped at max_loop. The
+        draws come from `generator` alone: seeded alike on every rank, every rank draws the same R."""
+        cfg = self.config
+        if cfg.loop_sampling == 'fixed':
+            return cfg.n_loop
+        tau = torch.normal(math.log(cfg.n_loop) - LOOP_SIGMA ** 2 / 2, LOOP_SIGMA, (1,), generator=generator)
+        return min(int(torch.poisson(tau.exp(), generator=generator).item()) + 1, cfg.loop_cap)
 
     # ---- the readout ----
     def readout_norm(self, h, k):
@@ -530,9 +670,45 @@ class GPT(nn.Module):
             return h
         return self.transformer.ln_out(h)
 
+    def head_input(self, h, k, cache=None, pos=0):
+        """z_k, what the LM head (and the exit gate) read at exit k: the coda blocks (§4; none by default),
+        then the readout norm. h (B, T, C); decoding passes the coda's cache slots."""
+        if self.config.n_coda:
+            h = self.untied(self.transformer.coda, h, cache, pos)
+        return self.readout_norm(h, k)
+
     def readout(self, h, k):
         """Logits of exit k (1-based) from the state h_k: (..., C) -> (..., V)."""
-        return self.lm_head(self.readout_norm(h, k))
+        return self.lm_head(self.head_input(h, k))
+
+    def gate(self, z):
+        # docs/papers.md §4 (Ouro): lambda_k = sigmoid(w . z_k + b), the probability to stop at exit k if
+        # no earlier exit stopped; z (..., C) -> (...)
+        return torch.sigmoid(self.exit_gate(z).float()).squeeze(-1)
+
+    def exit_scorer(self, policy):
+        """score(z_k, logits_k) -> (...): called for exits k = 1, 2, ... in order, how ready each position
+        is to stop at exit k (higher = readier). The three confidence policies see only the logits; 'kl'
+        scores -KL(p_{k-1} || p_k) between successive exits (Huginn; -inf at exit 1); 'gate' the learned
+        gate's cumulative exit probability 1 - prod_{j<=k} (1 - lambda_j) (Ouro)."""
+        assert policy in EXIT_POLICIES, f"exit policy {policy!r}: choose one of {', '.join(EXIT_POLICIES)}"
+        assert policy != 'gate' or self.config.exit_gate == 'learned', "policy 'gate' needs a learned gate"
+        prev, stay = None, None  # the previous exit's log-probs; the probability of not having exited yet
+
+        def score(z, logits):
+            nonlocal prev, stay
+            if policy == 'gate':
+                lam = self.gate(z)
+                stay = 1 - lam if stay is None else stay * (1 - lam)
+                return 1 - stay
+            if policy == 'kl':
+                logp = logits.float().log_softmax(-1)
+                out = torch.full(logp.shape[:-1], -math.inf, device=logp.device) if prev is None else \
+                    -(prev.exp() * (prev - logp)).sum(-1)
+                prev = logp
+                return out
+            return exit_score(logits, policy)
+        return score
 
     # ---- the loss ----
     def exit_weights(self, R):
@@ -544,13 +720,28 @@ class GPT(nn.Module):
         # when only the last loop is supervised
         return self.config.norm_penalty * torch.stack([h.float().pow(2).mean() for h in states]).mean()
 
+    def gate_loss(self, zs, targets):
+        """docs/papers.md §4 (Ouro): per token, sum_k p(k) CE_k - exit_entropy * H(p), with the exit
+        distribution p(k) of the learned gate over the exits' inputs zs [z_1..z_R] (B, T, C)."""
+        ce = torch.stack([token_ce(z, self.lm_head.weight, targets) for z in zs])   # (R, B*T)
+        p = exit_distribution(torch.stack([self.gate(z).flatten() for z in zs]))  # (R, B*T)
+        H = -(p * p.clamp(min=1e-12).log()).sum(0)
+        valid = (targets.reshape(-1) != -1).float()
+        per_token = (p * ce).sum(0) - self.config.exit_entropy * H
+        return (per_token * valid).sum() / valid.sum().clamp(min=1)
+
     def loss(self, states, targets):
-        """The training loss of the loop states [h_1..h_R]: the weighted exit CEs plus the norm penalty."""
+        """The training loss of the loop states [h_1..h_R]: the weighted exit CEs (or the learned gate's
+        expected CE) plus the norm penalty."""
         weights = self.exit_weights(len(states))
         exits = [k for k, w in enumerate(weights, start=1) if w > 0]
-        xs = torch.stack([self.readout_norm(states[k - 1], k) for k in exits])  # (E, B, T, C)
-        exit_w = tuple(weights[k - 1] for k in exits)
-        loss = LinearCrossEntropy.apply(self.lm_head.weight, targets, exit_w, xs)
+        zs = [self.head_input(states[k - 1], k) for k in exits]
+        if self.config.exit_gate == 'learned':
+            loss = self.gate_loss(zs, targets)
+        else:
+            exit_w = tuple(weights[k - 1] for k in exits)
+            xs = torch.stack(zs)  # (E, B, T, C)
+            loss = LinearCrossEntropy.apply(self.lm_head.weight, targets, exit_w, xs)
         if self.config.norm_penalty > 0:
             loss = loss + self.norm_penalty(states)
         return loss
@@ -558,15 +749,15 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, n_loop=None):
         states = self.states(idx, n_loop)
         if targets is None:
-            # inference: only the last position of the final exit is needed
-            return self.readout(states[-1][:, [-1], :], len(states)), None
+            # inference: only the last position of the final exit is needed (the coda sees every position)
+            return self.lm_head(self.head_input(states[-1], len(states))[:, [-1], :]), None
         return None, self.loss(states, targets)
 
     @torch.no_grad()
     def exit_losses(self, idx, targets, n_loop=None):
         """Diagnostics: CE at every exit 1..R and the mean per-token L2 norm ||h_k|| of every loop state."""
         states = self.states(idx, n_loop)
-        ce = torch.stack([cross_entropy_chunked(self.readout_norm(h, k), self.lm_head.weight, targets)
+        ce = torch.stack([cross_entropy_chunked(self.head_input(h, k), self.lm_head.weight, targets)
                           for k, h in enumerate(states, start=1)])
         norms = torch.stack([h.float().norm(dim=-1).mean() for h in states])
         return ce, norms  # (R,), (R,)
@@ -590,11 +781,15 @@ class GPT(nn.Module):
         cfg = self.config
         T = cfg.block_size if T is None else T
         R = cfg.n_loop if n_loop is None else n_loop
-        layer_params = sum(p.numel() for p in self.transformer.h.parameters())
+        n_params = lambda blocks: sum(p.numel() for p in blocks.parameters())
         n_exits = sum(w > 0 for w in self.exit_weights(R))
-        # every loop re-uses the K layers' weights, every supervised exit re-uses the head
-        weight_flops = 6 * (layer_params * R + cfg.vocab_size * cfg.n_embd * n_exits)
-        attention_flops = 12 * cfg.n_layer * R * cfg.n_embd * T  # QK^T and AV of every visit
+        # every loop re-uses the K layers' weights, every supervised exit re-uses the coda and the head; the
+        # prelude runs once, the injection adapter before every loop after the first
+        adapter = 2 * cfg.n_embd ** 2 * (R - 1) if cfg.injection == 'concat' else 0
+        weight_flops = 6 * (n_params(self.transformer.h) * R + n_params(self.transformer.prelude) + adapter
+                            + (n_params(self.transformer.coda) + cfg.vocab_size * cfg.n_embd) * n_exits)
+        visits = cfg.n_layer * R + cfg.n_prelude + cfg.n_coda * n_exits
+        attention_flops = 12 * visits * cfg.n_embd * T  # QK^T and AV of every visit
         return weight_flops + attention_flops
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak=None, T=None):
@@ -610,43 +805,54 @@ class GPT(nn.Module):
     # ---- decoding with a KV cache ----
     def new_cache(self, B, R, device, dtype):
         # one (k, v) slot per (loop, layer) visit: loop k re-uses layer j's weights but sees other inputs,
-        # so it has its own keys and values. Slot index = (k-1)*K + j.
+        # so it has its own keys and values. 'loop' slot index = (k-1)*K + j; the prelude and the coda (run
+        # once per token) have one slot per block.
         cfg = self.config
         shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        zeros = lambda: torch.zeros(shape, device=device, dtype=dtype)
-        return [(zeros(), zeros()) for _ in range(R * cfg.n_layer)]
+        slots = lambda n: [(torch.zeros(shape, device=device, dtype=dtype),
+                            torch.zeros(shape, device=device, dtype=dtype)) for _ in range(n)]
+        return dict(prelude=slots(cfg.n_prelude), loop=slots(R * cfg.n_layer), coda=slots(cfg.n_coda))
 
     def decode_step(self, idx, cache, pos, n_loop, exit_threshold=None, exit_policy='maxprob'):
         """Run tokens idx (B, T) at positions pos.. through up to n_loop loops, writing the cache.
         Returns the last position's logits (B, V) at each row's exit and the loops each row used (B,).
-        Without exit_threshold every row runs all n_loop loops; with it a row stops at the first loop whose
-        exit_score reaches the threshold (the last loop always exits)."""
+        Without exit_threshold every row runs all n_loop loops; with it (a score, see score_threshold) a row
+        stops at the first loop whose exit_scorer score reaches it (the last loop always exits). The coda's
+        slots end up holding the K/V of the state each row exited with."""
         B = idx.size(0)
         halted = torch.zeros(B, dtype=torch.bool, device=idx.device)
         used = torch.full((B,), float(n_loop), device=idx.device)
         logits = torch.zeros(B, self.config.vocab_size, device=idx.device)
         adaptive = exit_threshold is not None
+        score, h_exit = self.exit_scorer(exit_policy) if adaptive else None, None
         for k, h in self.loops(self.embed(idx, pos), n_loop, pos, cache, halted=halted if adaptive else None):
             if (k < n_loop and not adaptive) or bool(halted.all()):
                 continue
-            logits_k = self.readout(h[:, -1, :], k).float()  # (B, V)
-            sure = True if k == n_loop else exit_score(logits_k, exit_policy) >= exit_threshold  # (B,)
+            z = self.head_input(h, k, cache['coda'], pos)[:, -1]  # (B, C)
+            logits_k = self.lm_head(z).float()                    # (B, V)
+            sure = True if k == n_loop else score(z, logits_k) >= exit_threshold  # (B,)
             exits = ~halted & sure
             logits = torch.where(exits[:, None], logits_k, logits)
             used = torch.where(exits, float(k), used)
+            h_exit = h if h_exit is None else torch.where(exits[:, None, None], h, h_exit)
             halted |= exits                                  # the loop keeps these rows' state from here on
+        if adaptive and self.config.n_coda:
+            self.untied(self.transformer.coda, h_exit, cache['coda'], pos)  # rewrite the coda's K/V at pos
         return logits, used
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
                  exit_policy='maxprob', use_cache=True):
         """Sample max_new_tokens after idx (B, T). Fixed exit: every token stops at loop n_loop (default R).
-        Adaptive exit (exit_threshold): a token stops at the first loop whose exit_score (exit_policy) reaches
-        the threshold. temperature 0 = greedy. The prompt always runs all n_loop loops, so the first new token
-        (read off the prompt pass) uses all of them too. self.last_loops_used: (B, new) loops per token."""
+        Adaptive exit (exit_threshold, in the range of exit_policy: score_threshold): a token stops at the
+        first loop whose exit score reaches the threshold (for 'kl': whose KL to the previous exit is at most
+        the threshold). temperature 0 = greedy. The prompt always runs all n_loop loops, so the first new
+        token (read off the prompt pass) uses all of them too. self.last_loops_used: (B, new) loops per
+        token."""
         R = self.config.n_loop if n_loop is None else n_loop
         assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: choose one of {EXIT_POLICIES}"
         assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
+        threshold = None if exit_threshold is None else score_threshold(exit_policy, exit_threshold)
         bs = self.config.block_size
         cache, pos, used_all = None, 0, []
         for _ in range(max_new_tokens):
@@ -662,7 +868,7 @@ class GPT(nn.Module):
                 logits, used = self.decode_step(idx_cond, cache, 0, R)
                 pos = idx_cond.size(1)
             else:
-                logits, used = self.decode_step(idx[:, -1:], cache, pos, R, exit_threshold, exit_policy)
+                logits, used = self.decode_step(idx[:, -1:], cache, pos, R, threshold, exit_policy)
                 pos += 1
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)

@@ -4,6 +4,8 @@ Sample from a trained looped GPT, as nanoGPT's sample.py does.
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3
     python sample.py --out_dir=out-shakespeare-char --n_loop=2             # fixed exit: stop at loop 2
     python sample.py --out_dir=out-shakespeare-char --exit_threshold=0.9   # adaptive: first confident loop
+    python sample.py --out_dir=out-huginn --exit_policy=kl --exit_threshold=5e-4 --n_loop=16  # KL exit
+    python sample.py --out_dir=out-ouro --exit_policy=gate --exit_threshold=0.5  # the learned gate's exit
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt
 
 The tokenizer comes from data/<dataset>/meta.json (the dataset is named in the checkpoint), or --meta PATH.
@@ -15,7 +17,7 @@ import torch
 
 import checkpoint
 from errors import Parser, die
-from model import EXIT_POLICIES
+from model import EXIT_POLICIES, score_threshold
 from prepare import get_tokenizer, load_meta
 
 
@@ -33,7 +35,9 @@ p.add_argument('--n_loop', type=int, default=None, help='loops per token (defaul
 p.add_argument('--exit_threshold', type=float, default=None,
                help='adaptive exit: a token stops at the first loop whose confidence reaches this')
 p.add_argument('--exit_policy', default='maxprob', choices=EXIT_POLICIES,
-               help='adaptive exit confidence: max softmax prob, top1 - top2 logit margin, or 1 - H/log V')
+               help='adaptive exit score: max softmax prob, top1 - top2 logit margin, 1 - H/log V, kl (exit '
+               'when KL(previous exit || this exit) <= threshold), or gate (the learned gate\'s cumulative '
+               'exit probability)')
 p.add_argument('--meta', default=None, help='a meta.json (or its folder) to decode with; default: '
                'data/<dataset>/meta.json, else the copy in the checkpoint')
 
@@ -76,6 +80,19 @@ def check_args(args):
             die(f"--{name}={value}: must be >= {low}")
 
 
+def check_exit(args, config):
+    """--exit_threshold within --exit_policy's range, and a gate to read for policy 'gate'."""
+    if args.exit_threshold is None:
+        return
+    if args.exit_policy == 'gate' and config.exit_gate != 'learned':
+        die("--exit_policy=gate reads the learned exit gate, and this model has none (exit_gate='none'): "
+            "use maxprob, margin, entropy or kl")
+    try:
+        score_threshold(args.exit_policy, args.exit_threshold)
+    except ValueError as e:
+        die(f"--{e}")
+
+
 def pick_device(name):
     """(device, device_type) for --device, or a one-line error if this machine does not have it."""
     if name == 'auto':
@@ -116,6 +133,7 @@ def main(argv=None):
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]  # (1, T)
 
     model = checkpoint.build_model(ckpt)
+    check_exit(args, model.config)
     model.eval()
     model.to(device)
     del ckpt  # the optimizer state is not needed to sample

@@ -253,6 +253,7 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 iter_num, best_val_loss, bad_total = 0, float('inf'), 0
 saved_iter, skip_eval_at = None, None  # the iteration out_dir/ckpt.pt holds; one not to evaluate again
 train_gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # this rank's training batches
+depth_gen = torch.Generator().manual_seed(seed)  # loop counts (loop_sampling): seeded alike on every rank
 if ckpt is not None:
     # AdamW moments come from the checkpoint; hyperparameters (betas, weight decay) from this run's config
     hyper = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
@@ -276,6 +277,8 @@ if ckpt is not None:
     if ckpt.get('world_size') == world_size and isinstance(rngs, list) and isinstance(data_rngs, list):
         checkpoint.set_rng_state(rngs[rank])
         train_gen.set_state(data_rngs[rank])
+        if 'depth_rng' in ckpt:  # checkpoints from before loop_sampling have none (and needed none)
+            depth_gen.set_state(ckpt['depth_rng'])
     elif master_process:
         why = (f"was written by {ckpt.get('world_size')} process(es), this run has {world_size}"
                if ckpt.get('world_size') != world_size else "holds no random-stream states")
@@ -287,6 +290,11 @@ raw_model = model  # the plain GPT: its state_dict has no '_orig_mod.' / 'module
 if compile:
     if master_process:
         print("compiling the model... (takes a ~minute)")
+    if loop_sampling != 'fixed':
+        # one graph per loop count drawn (the loop unrolls): at most max_loop of them, so let dynamo keep that
+        # many instead of falling back to eager after its default limit of 8
+        cap = raw_model.config.loop_cap + 1
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, cap)
     model = torch.compile(model)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
@@ -384,7 +392,8 @@ def save_checkpoint(evaluated=True):
                 'model': raw_model.state_dict(), 'model_args': asdict(raw_model.config),
                 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
                 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'dataset': dataset,
-                'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'world_size': world_size,
+                'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'depth_rng': depth_gen.get_state(),
+                'world_size': world_size,
                 'bad_steps': bad_total, 'evaluated': evaluated,
             }, ckpt_path)
         except OSError as e:  # checkpoint.save is atomic: the old file is untouched, the partial one removed
@@ -545,13 +554,15 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
 
         # forward and backward over the micro-batches; the loss is divided by their number so the gradients
         # add up to the mean over micro-batches, and DDP averages over ranks: the mean over the global batch
+        # this step's loop count: n_loop, or a draw when loop_sampling is on (docs/papers.md §4)
+        R = raw_model.draw_n_loop(depth_gen)
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(micro_steps):
             X, Y = get_batch('train', train_gen)
             # under DDP, all-reduce the gradients only on the last micro-step (the others just accumulate)
             with model.no_sync() if ddp and micro_step < micro_steps - 1 else nullcontext():
                 with ctx:
-                    _, loss = model(X, Y)
+                    _, loss = model(X, Y, n_loop=R)
                     loss = loss / micro_steps
                 scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
@@ -562,11 +573,14 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         # loss turns NaN if any rank's loss did, and the summed stop flag is nonzero if any rank got a stop
         # signal, so every rank takes the same decisions. Under fp16 an inf gradient with a finite loss is
         # the GradScaler's business (it skips the step and lowers the scale), not a bad step.
+        # R and R^2 ride along: their sums equal world_size * R and world_size * R^2 only if every rank drew R
         flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm)).float(),
-                             torch.tensor(float(stop_signal is not None), device=device)])
+                             torch.tensor(float(stop_signal is not None), device=device)]
+                            + [torch.tensor(float(R ** i), device=device) for i in (1, 2)])
         if ddp:
             dist.all_reduce(flags)
-        lossf, grad_bad, stop = flags.tolist()
+        lossf, grad_bad, stop, r_sum, r2_sum = flags.tolist()
+        assert (r_sum, r2_sum) == (world_size * R, world_size * R ** 2), f"ranks drew other R at {iter_num}"
         lossf /= world_size
         ok = math.isfinite(lossf) and (grad_bad == 0 or scaler.is_enabled())
         if ok:
@@ -584,7 +598,8 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         step_time = dt if iter_num <= start_iter + 1 else 0.9 * step_time + 0.1 * dt
         if iter_num % log_interval == 0 and master_process:
             mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
-            print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
+            print(f"iter {iter_num}: loss {lossf:.4f}" + (f" (R {R})" if loop_sampling != 'fixed' else '')
+                  + f", lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                   f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else '')
                   + f", ETA {duration(eta(iter_num))}")
         iter_num += 1

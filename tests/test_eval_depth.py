@@ -185,7 +185,7 @@ def test_cli_writes_table_and_json(tiny_ckpt, tiny_data, capsys):
     assert 'fixed depth' in out and 'calibrated halting' in out and 'radial gradient fraction' in out
     res = json.loads((tiny_ckpt / 'eval_depth.json').read_text())
     R = res['n_loop']
-    assert len(res['fixed']['ce']) == 2 * R and len(res['radial_frac']['readout']) == R
+    assert len(res['fixed']['ce']) == 4 * R and len(res['radial_frac']['readout']) == R
     cal = res['calibrated']['margin']
     assert cal['cal_ppl'] <= 1.01 * res['calibrated']['fixed_ppl_cal'] + 1e-9
     assert res['throughput']['fixed']['tok_per_s'] > 0

@@ -58,8 +58,11 @@ def test_adaptive_exit_reports_mean_loops_per_token(tiny_data, tiny_ckpt, monkey
     code, out, _ = run_main(base + ['--exit_threshold=0'])
     loops, R = mean_loops(out)
     assert code == 0 and R == 2 and 1.0 <= loops <= round((11 * 1 + 2) / 12, 2)
-    code, out, _ = run_main(base + ['--exit_threshold=1.5'])
+    code, out, _ = run_main(base + ['--exit_threshold=1.0'])              # maxprob never reaches 1 here
     assert code == 0 and mean_loops(out) == (2.0, 2)
+    code, _, err = run_main(base + ['--exit_threshold=1.5'])              # beyond maxprob's range
+    assert code == 1 and err.strip().endswith("--exit_threshold=1.5 is outside [0, 1], the range of "
+                                              "exit_policy='maxprob'")
     code, out, _ = run_main(base + ['--exit_threshold=1e9', '--exit_policy=margin', '--n_loop=3'])
     assert code == 0 and mean_loops(out) == (3.0, 3)                     # at most --n_loop loops
 
