@@ -202,3 +202,24 @@ def test_bad_flag_prints_one_error_line(repo_dir):
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == ''
     assert proc.stderr.startswith('error: unrecognized arguments: --bogus') and proc.stderr.count('\n') == 1
+
+
+def test_recurrent_sweep_reports_test_time_depth_scale_and_three_exits(tiny_data, tiny_config, tmp_path,
+                                                                      monkeypatch):
+    # the recurrent-depth report (docs/papers.md §4): val CE at test loops 1..16 past the trained depth,
+    # the norm table, and calibrated halting under margin, KL and (where the model has one) the gate
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(ablate.PRESETS, 'tinyrec', dict(
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=True, report='recurrent', eval_args=['--exits=16'],
+        arms=[ablate.arm('random_depth', injection='add', **ablate.RANDOM_DEPTH),
+              ablate.arm('ouro', 'config/ouro.py')]))
+    ablate.main(['tinyrec', '--out', 'runs', '--report_dir', 'rep', '--workers=1',
+                 '--eval_args=--n_seqs=8 --batch_size=4 --timing_repeats=1 --n_grad_seqs=4'])
+    md = (tmp_path / 'rep' / 'tinyrec.md').read_text()
+    depth = json.loads((tmp_path / 'runs' / 'ouro-s1' / 'eval_depth.json').read_text())
+    ce16 = depth['fixed']['ce'][15]
+    assert len(depth['fixed']['ce']) == 16 and f"| {ce16:.3f} |" in md.split('| ouro | 2 |')[1].split('\n')[0]
+    assert '| random_depth | 4 (mean, sampled) |' in md
+    rows = {line.split('|')[1].strip(): line for line in md.split('### Calibrated halting')[1].splitlines()
+            if line.startswith('| random_depth') or line.startswith('| ouro')}
+    assert rows['random_depth'].endswith('| n/a |') and not rows['ouro'].endswith('| n/a |')

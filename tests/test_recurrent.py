@@ -1,0 +1,286 @@
+"""
+The recurrent-depth family (docs/papers.md §4): prelude and coda, input injection, sampled depth with
+truncated backprop, the learned exit gate, and the KL and gate exits. Each test states one mechanism; the
+first pins that with every piece switched off the model trains exactly as it did before the family existed.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_model import V, T, tiny, batch
+from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics
+from test_reliability import assert_clean_error, model_tensors_equal, torchrun_unavailable
+
+import eval_depth
+from model import GPT, GPTConfig, exit_distribution, score_threshold
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'golden_metrics.json')
+
+# -----------------------------------------------------------------------------
+# off by default
+
+
+@pytest.mark.parametrize('name,files', [('default', []), ('deeploop', ['config/deeploop.py'])])
+def test_the_family_switched_off_trains_exactly_as_before(tmp_path, name, files):
+    # tests/data/golden_metrics.json: 20 steps of the embedded default and of the DeepLoop arm, fp32, one
+    # thread, on write_data's corpus, written by the code before the family existed. Every exit's CE and
+    # every loop norm must match to float rounding (other CPUs may round differently in the last bits).
+    write_data(tmp_path)
+    r = run_cli([*[os.path.join(REPO, f) for f in files], '--dataset=tiny', '--device=cpu', '--dtype=float32',
+                 '--compile=False', '--max_iters=20', '--eval_interval=10', '--eval_iters=2', '--out_dir=out'],
+                tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = read_metrics(tmp_path / 'out' / 'metrics.jsonl')
+    with open(GOLDEN, encoding='utf-8') as f:
+        golden = json.load(f)[name]
+    assert [row['iter'] for row in rows] == [g['iter'] for g in golden] == [0, 10, 20]
+    for row, g in zip(rows, golden):
+        for key in ('train_ce', 'val_ce', 'norm', 'train_norm'):
+            torch.testing.assert_close(torch.tensor(row[key]), torch.tensor(g[key]), rtol=1e-4, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# prelude, coda, injection
+
+def test_the_prelude_runs_once_and_the_coda_at_every_exit():
+    m = tiny(n_loop=3, n_prelude=1, n_coda=1)
+    calls = {'prelude': 0, 'coda': 0, 'shared': 0}
+    for name, blocks in (('prelude', m.transformer.prelude), ('coda', m.transformer.coda),
+                         ('shared', m.transformer.h)):
+        for block in blocks:
+            block.register_forward_hook(lambda *a, name=name: calls.__setitem__(name, calls[name] + 1))
+    X, Y = batch()
+    m(X, Y)  # per-loop CE: three exits
+    assert calls == {'prelude': 1, 'coda': 3, 'shared': 2 * 3}
+    # exit k reads z_k = Norm_out(coda(h_k)): the coda sits before the readout norm
+    h = torch.randn(2, T, 16)
+    expect = m.lm_head(m.transformer.ln_out(m.transformer.coda[0](h, m.rope(0, T))))
+    torch.testing.assert_close(m.readout(h, 2), expect)
+
+
+def test_concat_injection_starts_as_the_identity_and_add_injection_adds_the_prelude_output():
+    X, Y = batch()
+    plain, cat = tiny(n_prelude=1), tiny(n_prelude=1, injection='concat')
+    cat.load_state_dict(plain.state_dict(), strict=False)  # the same weights, and W = [I 0] of its own
+    assert torch.equal(cat.transformer.adapter.weight, torch.cat([torch.eye(16), torch.zeros(16, 16)], 1))
+    for a, b in zip(plain.states(X), cat.states(X)):
+        torch.testing.assert_close(a, b)
+    # add: the state entering loop k+1 is ln_loop(h_k) + e, with e the prelude output
+    m = tiny(n_prelude=1, injection='add', inter_loop_norm='rmsnorm')
+    e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))
+    seen = []
+    for k, h in m.loops(m.embed(X), 3, between=lambda k, h, carry: seen.append((h, carry(h))) or seen[-1][1]):
+        pass
+    for h, entered in seen:
+        torch.testing.assert_close(entered, m.transformer.ln_loop(h) + e)
+
+
+# -----------------------------------------------------------------------------
+# sampled depth and truncated backprop
+
+def test_sampled_depth_has_mean_n_loop_plus_one_is_capped_and_depends_only_on_its_generator():
+    m = tiny(n_loop=4, loop_sampling='poisson_lognormal', max_loop=12)
+    def draws(seed, n):
+        g = torch.Generator().manual_seed(seed)
+        return [m.draw_n_loop(g) for _ in range(n)]
+    many = draws(0, 4000)
+    assert min(many) >= 1 and max(many) <= 12 and len(set(many)) > 5
+    # Poisson(e^tau) + 1 with E[e^tau] = n_loop: mean n_loop + 1, a little less after the cap at 12
+    assert 4.8 < sum(many) / len(many) < 5.05
+    assert draws(7, 50) == draws(7, 50) and draws(7, 50) != draws(8, 50)
+    assert tiny(n_loop=4).draw_n_loop(torch.Generator()) == 4  # loop_sampling='fixed'
+
+
+def test_truncated_backprop_zeroes_the_gradient_of_the_early_loops():
+    # backprop_loops = 2 of R = 4: the per-visit gradients G_r (eval_depth.visit_gradients) of visits 1 and
+    # 2 are exactly zero for every shared matrix, those of visits 3 and 4 are not; the loss is unchanged
+    X, Y = batch()
+    full, cut = tiny(n_loop=4), tiny(n_loop=4, backprop_loops=2)
+    torch.testing.assert_close(full(X, Y)[1], cut(X, Y)[1])
+    for name, G in eval_depth.visit_gradients(cut, X, Y).items():
+        assert all(float(g.abs().max()) == 0.0 for g in G[:2]), name
+        assert all(float(g.abs().max()) > 0.0 for g in G[2:]), name
+    for name, G in eval_depth.visit_gradients(full, X, Y).items():
+        assert all(float(g.abs().max()) > 0.0 for g in G), name
+
+
+# -----------------------------------------------------------------------------
+# the learned exit gate
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=1, max_size=8))
+def test_gate_probabilities_sum_to_one_and_stop_at_the_first_exit_that_fires(lams):
+    lam = torch.tensor(lams, dtype=torch.float64)
+    p = exit_distribution(lam)
+    assert float(p.sum()) == pytest.approx(1.0, abs=1e-12) and bool((p >= 0).all())
+    stay = 1.0
+    for k in range(len(lams) - 1):
+        assert float(p[k]) == pytest.approx(lams[k] * stay, abs=1e-12)
+        stay *= 1 - lams[k]
+    assert float(p[-1]) == pytest.approx(stay, abs=1e-12)  # the last exit takes the remainder
+
+
+def test_the_gate_loss_is_the_expected_exit_ce_minus_the_entropy_bonus():
+    X, Y = batch()
+    m = tiny(n_loop=3, exit_gate='learned', exit_entropy=0.1)
+    Y[0, :3] = -1  # ignored positions count in neither term
+    states = m.states(X)
+    loss = m.loss(states, Y)
+    zs = [m.transformer.ln_out(h) for h in states]
+    ce = torch.stack([F.cross_entropy(m.lm_head(z).view(-1, V), Y.view(-1), ignore_index=-1, reduction='none')
+                      for z in zs])                                                      # (R, B*T)
+    lam = torch.stack([torch.sigmoid(m.exit_gate(z)).view(-1) for z in zs])
+    p = exit_distribution(lam)
+    per_token = (p * ce).sum(0) + 0.1 * (p * p.log()).sum(0)
+    valid = Y.view(-1) != -1
+    naive = per_token[valid].mean()
+    torch.testing.assert_close(loss, naive)
+    # the chunked per-token CE (logits recomputed in the backward pass) gives the same gradients
+    params = [m.lm_head.weight, m.exit_gate.weight, m.transformer.h[0].attn.c_attn.weight]
+    for a, b in zip(torch.autograd.grad(loss, params, retain_graph=True), torch.autograd.grad(naive, params)):
+        torch.testing.assert_close(a, b)
+
+
+def test_kl_exit_never_stops_at_the_first_loop_and_gate_exit_follows_the_cumulative_probability():
+    m = tiny(n_loop=4, exit_gate='learned').eval()
+    prompt = batch(B=2)[0][:, :4]
+    # KL <= a huge bound holds from exit 2 on; there is no KL at exit 1
+    m.generate(prompt, 5, temperature=0, exit_threshold=1e9, exit_policy='kl')
+    assert m.last_loops_used[:, 1:].eq(2).all()
+    # a cumulative exit probability >= 0 holds at once; >= 1 is reached only by the last exit
+    m.generate(prompt, 5, temperature=0, exit_threshold=0.0, exit_policy='gate')
+    assert m.last_loops_used[:, 1:].eq(1).all()
+    m.generate(prompt, 5, temperature=0, exit_threshold=1.0, exit_policy='gate')
+    assert m.last_loops_used.eq(4).all()
+    with pytest.raises(ValueError, match=r"exit_threshold=1.5 is outside \[0, 1\].*'gate'"):
+        score_threshold('gate', 1.5)
+
+
+def test_cached_decoding_equals_uncached_with_prelude_coda_and_injection():
+    # past the block size too (T = 16: the context is cropped and the cache refilled)
+    m = tiny(n_loop=3, n_prelude=1, n_coda=1, injection='concat', inter_loop_norm='rmsnorm').eval()
+    with torch.no_grad():
+        m.transformer.adapter.weight.add_(0.3 * torch.randn_like(m.transformer.adapter.weight))
+    prompt = batch(B=2)[0][:, :5]
+    cached = m.generate(prompt, 20, temperature=0)
+    assert torch.equal(cached, m.generate(prompt, 20, temperature=0, use_cache=False))
+
+
+def test_adaptive_decoding_with_a_coda_equals_decoding_each_row_alone():
+    # rows exit at different loops; the coda's cache must hold each row's own exit state
+    m = tiny(n_loop=4, n_coda=1, injection='add', readout='raw').eval()
+    prompts = torch.randint(0, V, (6, 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        scores = torch.stack([m.exit_scorer('margin')(None, m.readout(h, k)[:, -1]) for k, h in
+                              enumerate(m.states(prompts), 1)])
+    t = float(scores[:3].median())
+    together = m.generate(prompts, 6, temperature=0, exit_threshold=t, exit_policy='margin')
+    used = m.last_loops_used
+    assert len(set(used[:, 1:].flatten().tolist())) > 1  # the rows really do exit at different loops
+    for i in range(prompts.size(0)):
+        alone = m.generate(prompts[i:i + 1], 6, temperature=0, exit_threshold=t, exit_policy='margin')
+        assert torch.equal(alone, together[i:i + 1]) and torch.equal(m.last_loops_used, used[i:i + 1])
+
+
+# -----------------------------------------------------------------------------
+# bad input, resume, DDP
+
+@pytest.mark.parametrize('kw,fragment', [
+    (dict(n_loop=4, max_loop=3), 'max_loop=3 is below n_loop=4'),
+    (dict(n_loop=2, max_loop=4, backprop_loops=5), 'backprop_loops=5 exceeds max_loop=4'),
+    (dict(n_loop=2, backprop_loops=9), 'backprop_loops=9 exceeds max_loop=8'),
+    (dict(exit_gate='learned', supervision='terminal'), "needs supervision='per_loop'"),
+    (dict(exit_entropy=0.1), "set exit_gate='learned'"),
+    (dict(inter_loop_norm='readout', readout='raw'), "needs readout='rmsnorm' or 'layernorm'"),
+    (dict(n_prelude=-1), 'n_prelude=-1: must be an integer >= 0'),
+    (dict(injection='gated'), "injection='gated': choose one of none, add, concat"),
+])
+def test_impossible_family_configs_are_rejected_in_one_line(kw, fragment):
+    with pytest.raises(ValueError) as e:
+        GPTConfig(**kw)
+    assert fragment in str(e.value) and '\n' not in str(e.value)
+
+
+def test_train_py_names_the_keys_of_an_impossible_family_config(tmp_path):
+    write_data(tmp_path)
+    code, _, err = run_train([*TINY, '--max_loop=1', '--backprop_loops=2', '--out_dir=out'], tmp_path)
+    assert_clean_error(code, err, 'max_loop=1 is below n_loop=2')
+    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+
+
+def test_resume_with_sampled_depth_is_bit_exact(tmp_path):
+    # the depth sampler's state is in the checkpoint: 6 steps = 3 steps + resume for 3
+    write_data(tmp_path)
+    args = [*TINY, '--loop_sampling=poisson_lognormal', '--backprop_loops=1', '--injection=add',
+            '--n_prelude=1', '--eval_interval=1']
+    a = run_cli([*args, '--max_iters=6', '--out_dir=a'], tmp_path)
+    b1 = run_cli([*args, '--max_iters=3', '--out_dir=b'], tmp_path)
+    b2 = run_cli(['--init_from=resume', '--max_iters=6', '--out_dir=b'], tmp_path)
+    for r in (a, b1, b2):
+        assert r.returncode == 0, r.stderr
+    steps = lambda out: [line.split(', lr')[0] for line in out.splitlines() if line.startswith('iter ')]
+    assert steps(a.stdout) == steps(b1.stdout) + steps(b2.stdout)  # the loss and the drawn R of every step
+    assert len({line.split('(R ')[1] for line in steps(a.stdout)}) > 1
+    drop_time = lambda rows: [{k: v for k, v in r.items() if k != 'time'} for r in rows]
+    assert drop_time(read_metrics(tmp_path / 'a' / 'metrics.jsonl')) == \
+        drop_time(read_metrics(tmp_path / 'b' / 'metrics.jsonl'))
+    ca, cb = (torch.load(tmp_path / d / 'ckpt.pt', weights_only=True) for d in 'ab')
+    assert model_tensors_equal(ca['model'], cb['model'])
+
+
+DEPTH_HOOK = textwrap.dedent('''
+    # train.py under torchrun, recording every loop count this rank draws (test-only)
+    import json, os, runpy, sys
+    sys.path.insert(0, os.environ['REPO'])
+    import model as M
+    draws, draw = [], M.GPT.draw_n_loop
+    def rec(self, generator):
+        draws.append(draw(self, generator))
+        return draws[-1]
+    M.GPT.draw_n_loop = rec
+    sys.argv = ['train.py'] + sys.argv[1:]
+    try:
+        runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
+    finally:
+        with open(os.path.join(os.environ['DUMP'], 'rank%s.json' % os.environ['RANK']), 'w') as f:
+            json.dump(draws, f)
+''')
+
+
+def test_ddp_ranks_draw_the_same_loop_count_every_step(tmp_path):
+    write_data(tmp_path)
+    (tmp_path / 'hook.py').write_text(DEPTH_HOOK)
+    args = [*TINY, '--loop_sampling=poisson_lognormal', '--max_iters=8', '--eval_interval=8', '--out_dir=out']
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        'hook.py', *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=cli_env(REPO=REPO, DUMP=str(tmp_path)))
+    if r.returncode != 0 and torchrun_unavailable():
+        pytest.skip(torchrun_unavailable())
+    assert r.returncode == 0, r.stderr[-3000:]
+    d0, d1 = (json.loads((tmp_path / f'rank{i}.json').read_text()) for i in (0, 1))
+    assert len(d0) == 8 and d0 == d1 and len(set(d0)) > 1
+
+
+# -----------------------------------------------------------------------------
+# evaluation
+
+def test_eval_depth_reports_kl_and_gate_halting_and_exits_past_training():
+    m = tiny(n_loop=3, exit_gate='learned', n_coda=1).eval()
+    X, Y = batch(B=8)
+    res = eval_depth.evaluate(m, X, Y, batch_size=4, timing_repeats=1, n_grad_seqs=4)
+    assert res['fixed']['exit'] == list(range(1, 13))  # 1..4R
+    assert {'margin', 'kl', 'gate'} <= set(res['calibrated'])
+    ce, scores, _ = eval_depth.exit_stats(m, X, Y, 3, 4)
+    assert bool(torch.isinf(scores['kl'][:, 0]).all()) and bool(torch.isfinite(scores['kl'][:, 1:]).all())
+    assert bool((scores['gate'][:, 1:] >= scores['gate'][:, :-1]).all())  # cumulative: never decreases
+    no_gate = tiny(n_loop=3).eval()
+    assert 'gate' not in eval_depth.evaluate(no_gate, X, Y, batch_size=4, timing_repeats=1,
+                                             n_grad_seqs=4)['calibrated']
