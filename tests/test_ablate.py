@@ -210,7 +210,8 @@ def test_recurrent_sweep_reports_test_time_depth_scale_and_three_exits(tiny_data
     # the norm table, and calibrated halting under margin, KL and (where the model has one) the gate
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(ablate.PRESETS, 'tinyrec', dict(
-        title='t', laptop=tiny_config, seeds=(1,), eval_depth=True, report='recurrent', eval_args=['--exits=16'],
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=True, report='recurrent',
+        eval_args=['--exits=16'],
         arms=[ablate.arm('random_depth', injection='add', **ablate.RANDOM_DEPTH),
               ablate.arm('ouro', 'config/ouro.py')]))
     ablate.main(['tinyrec', '--out', 'runs', '--report_dir', 'rep', '--workers=1',

@@ -34,9 +34,9 @@ def test_the_family_switched_off_trains_exactly_as_before(tmp_path, name, files)
     # thread, on write_data's corpus, written by the code before the family existed. Every exit's CE and
     # every loop norm must match to float rounding (other CPUs may round differently in the last bits).
     write_data(tmp_path)
-    r = run_cli([*[os.path.join(REPO, f) for f in files], '--dataset=tiny', '--device=cpu', '--dtype=float32',
-                 '--compile=False', '--max_iters=20', '--eval_interval=10', '--eval_iters=2', '--out_dir=out'],
-                tmp_path)
+    files = [os.path.join(REPO, f) for f in files]
+    r = run_cli([*files, '--dataset=tiny', '--device=cpu', '--dtype=float32', '--compile=False',
+                 '--max_iters=20', '--eval_interval=10', '--eval_iters=2', '--out_dir=out'], tmp_path)
     assert r.returncode == 0, r.stderr
     rows = read_metrics(tmp_path / 'out' / 'metrics.jsonl')
     with open(GOLDEN, encoding='utf-8') as f:
