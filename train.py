@@ -295,7 +295,8 @@ if compile:
         # many instead of falling back to eager after its default limit of 8
         cap = raw_model.config.loop_cap + 1
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, cap)
-    model = torch.compile(model)
+    # static shapes: a new loop count is a new graph, not a symbolic one (the loop's python range unrolls)
+    model = torch.compile(model, dynamic=False)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
