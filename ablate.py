@@ -5,6 +5,7 @@ Sweeps: a preset's config arms x seeds -> one train.py run each (own out_dir) ->
     python ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
     python ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10,000 steps
+    python ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm vs init/LR
     python ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --set max_iters=100
 
@@ -99,6 +100,18 @@ PRESETS['growing'] = dict(
     laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='growing',
     arms=[arm('loop_rmsnorm', 'config/loop_rmsnorm.py', **GROWING),
           arm('loop_raw', 'config/loop_raw.py', **GROWING)])
+LONG = dict(max_iters=2000, eval_interval=50)
+PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
+    title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='blindspot',
+    arms=[arm('loop_rmsnorm-2000', 'config/loop_rmsnorm.py', **LONG),
+          arm('loop_rmsnorm-lr1e-3', 'config/loop_rmsnorm.py', learning_rate=1e-3),
+          arm('loop_rmsnorm-2000-lr1e-3', 'config/loop_rmsnorm.py', learning_rate=1e-3, **LONG),
+          arm('embedded_default', 'config/loop_rmsnorm.py', batch_size=8, learning_rate=1e-3, beta2=0.99,
+              **LONG),  # train.py's own defaults: the laptop size with these four keys changed
+          arm('loop_interloop_norm-gpt2', 'config/loop_interloop_norm.py', init='gpt2'),
+          arm('loop_interloop_norm-lr1e-3', 'config/loop_interloop_norm.py', learning_rate=1e-3),
+          arm('loop_interloop_norm-2000', 'config/loop_interloop_norm.py', **LONG)])
 GROWING_STEPS = (150, 600, 1000, 2000, 3000, 5000, 7500, 10_000)  # the growing report's table rows
 
 ESCAPE_MARGIN = 0.2  # nats: a run 'escaped' the unigram floor if its final val loss < floor - this
