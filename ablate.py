@@ -683,6 +683,8 @@ def growing_table(arms):
 def plot_growing(plt, arms, report_dir, prefix):
     """Top: ||h_k|| vs step (log y), one color per arm, one shade per loop. Bottom: val CE at exit R."""
     fig, (ax_n, ax_ce) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    ces = [x[f'{split}_ce'][-1] for runs in arms.values() for r in runs[:1] for x in r['rows']
+           for split in ('val', 'train')]
     for i, (name, runs) in enumerate(arms.items()):
         rows = runs[0]['rows'] if runs else []
         if not rows:
@@ -699,7 +701,8 @@ def plot_growing(plt, arms, report_dir, prefix):
     ax_n.set_ylabel('||h_k|| (mean per-token L2, val)')
     ax_n.legend(fontsize=7, ncol=2)
     ax_ce.set_ylabel('CE at exit R (nats)')
-    ax_ce.set_ylim(top=min(4.0, ax_ce.get_ylim()[1]))
+    if ces:
+        ax_ce.set_ylim(min(ces) - 0.1, min(4.0, max(ces)) + 0.1)  # the first evals' CE is off the scale
     ax_ce.set_xlabel('training step')
     ax_ce.legend(fontsize=7)
     for ax in (ax_n, ax_ce):
