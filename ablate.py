@@ -5,6 +5,8 @@ Sweeps: a preset's config arms x seeds -> one train.py run each (own out_dir) ->
     python ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
     python ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
+    python ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10,000 steps
+    python ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm vs init/LR
     python ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --set max_iters=100
 
@@ -109,6 +111,25 @@ PRESETS['recurrent'] = dict(
     ])
 TEST_LOOPS = (1, 2, 4, 8, 16)  # the recurrent report's test-time depths
 HALT_POLICIES = ('margin', 'kl', 'gate')  # ... and its exits
+GROWING = dict(max_iters=10_000, eval_interval=50)  # §1 "still growing": 16x the blind-spot sweep's length
+PRESETS['growing'] = dict(
+    title="Paper 1, \"still growing\": per-loop CE with an RMSNorm vs a raw readout, 10,000 steps",
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='growing',
+    arms=[arm('loop_rmsnorm', 'config/loop_rmsnorm.py', **GROWING),
+          arm('loop_raw', 'config/loop_raw.py', **GROWING)])
+LONG = dict(max_iters=2000, eval_interval=50)
+PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
+    title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='blindspot',
+    arms=[arm('loop_rmsnorm-2000', 'config/loop_rmsnorm.py', **LONG),
+          arm('loop_rmsnorm-lr1e-3', 'config/loop_rmsnorm.py', learning_rate=1e-3),
+          arm('loop_rmsnorm-2000-lr1e-3', 'config/loop_rmsnorm.py', learning_rate=1e-3, **LONG),
+          arm('embedded_default', 'config/loop_rmsnorm.py', batch_size=8, learning_rate=1e-3, beta2=0.99,
+              **LONG),  # train.py's own defaults: the laptop size with these four keys changed
+          arm('loop_interloop_norm-gpt2', 'config/loop_interloop_norm.py', init='gpt2'),
+          arm('loop_interloop_norm-lr1e-3', 'config/loop_interloop_norm.py', learning_rate=1e-3),
+          arm('loop_interloop_norm-2000', 'config/loop_interloop_norm.py', **LONG)])
+GROWING_STEPS = (150, 600, 1000, 2000, 3000, 5000, 7500, 10_000)  # the growing report's table rows
 
 ESCAPE_MARGIN = 0.2  # nats: a run 'escaped' the unigram floor if its final val loss < floor - this
 
@@ -695,6 +716,68 @@ def recurrent_report(arms, header, report_dir, prefix):
     return lines + [""] + [f"![{p}]({p})" for p in plots]
 
 # -----------------------------------------------------------------------------
+# the "still growing" report: ||h_R|| and CE at fixed steps of a long run, both over training in one plot
+
+def growing_row(name, run, step):
+    row = row_near(run['rows'], step)
+    if row is None or abs(row['iter'] - step) > 25:
+        return f"| {name} | {step} | n/a | n/a | n/a |"
+    return (f"| {name} | {row['iter']} | {vec(row['norm'], '.1f')} | {vec(row['val_ce'], '.3f')} | "
+            f"{vec(row['train_ce'], '.3f')} |")
+
+
+def growing_table(arms):
+    lines = ["### ||h_k|| and CE over training (first seed of each arm; train CE on its eval batches)", "",
+             "| arm | step | ‖h_k‖ k = 1..R | val CE exit 1..R | train CE exit 1..R |",
+             "|---|---|---|---|---|"]
+    for name, runs in arms.items():
+        for run in runs[:1]:
+            last = run['rows'][-1]['iter'] if run['rows'] else -1
+            lines += [growing_row(name, run, s) for s in GROWING_STEPS if s <= last]
+    return lines
+
+
+def plot_growing(plt, arms, report_dir, prefix):
+    """Top: ||h_k|| vs step (log y), one color per arm, one shade per loop. Bottom: val CE at exit R."""
+    fig, (ax_n, ax_ce) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    ces = [x[f'{split}_ce'][-1] for runs in arms.values() for r in runs[:1] for x in r['rows']
+           for split in ('val', 'train')]
+    for i, (name, runs) in enumerate(arms.items()):
+        rows = runs[0]['rows'] if runs else []
+        if not rows:
+            continue
+        steps, R = [x['iter'] for x in rows], len(rows[0]['norm'])
+        cmap = (plt.cm.Reds, plt.cm.Blues, plt.cm.Greens)[i % 3]
+        for k in range(R):
+            ax_n.plot(steps, [x['norm'][k] for x in rows], color=cmap(0.4 + 0.6 * k / max(1, R - 1)), lw=1.1,
+                      label=f'{name}, k={k + 1}')
+        ax_ce.plot(steps, [x['val_ce'][-1] for x in rows], color=cmap(0.9), lw=1.2, label=f'{name}, val')
+        ax_ce.plot(steps, [x['train_ce'][-1] for x in rows], color=cmap(0.9), lw=0.8, ls=':',
+                   label=f'{name}, train')
+    ax_n.set_yscale('log')
+    ax_n.set_ylabel('||h_k|| (mean per-token L2, val)')
+    ax_n.legend(fontsize=7, ncol=2)
+    ax_ce.set_ylabel('CE at exit R (nats)')
+    if ces:
+        ax_ce.set_ylim(min(ces) - 0.1, min(4.0, max(ces)) + 0.1)  # the first evals' CE is off the scale
+    ax_ce.set_xlabel('training step')
+    ax_ce.legend(fontsize=7)
+    for ax in (ax_n, ax_ce):
+        ax.grid(alpha=0.3, which='both')
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}.png')
+
+
+def growing_report(arms, header, report_dir, prefix):
+    lines = header + scale_table(arms) + [""] + growing_table(arms) + [""] + depth_table(arms) + [""] \
+        + radial_table(arms)
+    plt = plt_or_none()
+    if plt is not None:
+        name = plot_growing(plt, arms, report_dir, prefix)
+        lines += ["", f"![{name}]({name})"]
+    return lines
+
+# -----------------------------------------------------------------------------
 # the DeepLoop report: escaped runs per variant x (R, lr), and the loss curves
 
 def floor_lines(floor):
@@ -816,6 +899,8 @@ def write_report(preset_name, preset, jobs, args, sweep):
         lines = blindspot_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'recurrent':
         lines = recurrent_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'growing':
+        lines = growing_report(arms, header, args.report_dir, prefix)
     else:
         floor = unigram_floor(os.path.join('data', jobs[0]['cfg']['dataset']))
         lines = deeploop_report(arms, header, args.report_dir, prefix, floor)

@@ -548,10 +548,13 @@ class GPT(nn.Module):
             # matrix is the embedding's, so the initial state norm is about sqrt(C) (docs/papers.md §1)
             nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
         else:
-            # nanoGPT: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2N) with N unrolled blocks
+            # nanoGPT: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2N), N unrolled blocks.
+            # Under depth scaling beta does that job instead (docs/papers.md §2; DeepNorm's reference: a
+            # plain init, then beta), so c_proj is not scaled twice.
+            resid = 1.0 if cfg.beta != 1.0 else 1.0 / math.sqrt(2 * cfg.n_unrolled)
             for name, p in self.named_parameters():
                 if p.dim() == 2:
-                    std = 0.02 / math.sqrt(2 * cfg.n_unrolled) if name.endswith('c_proj.weight') else 0.02
+                    std = 0.02 * resid if name.endswith('c_proj.weight') else 0.02
                     nn.init.normal_(p, mean=0.0, std=std)
         # docs/papers.md §2: beta is an init-only gain on the value projection, the attention output
         # projection and every MLP matrix (not Q, K or the embeddings)

@@ -102,6 +102,44 @@ def test_laptop_presets_resolve_to_their_sizes(repo_dir, monkeypatch):
     assert picked(cfg, 'pos mlp supervision batch_size seed') == ['rope', 'gelu', 'terminal', 8, 3]
 
 
+
+def test_growing_preset_runs_both_readouts_16x_longer_at_the_blindspot_size(repo_dir, monkeypatch):
+    # docs/papers.md §1, "still growing": the blind-spot sweep's size and schedule, only longer
+    monkeypatch.chdir(repo_dir)
+    jobs = ablate.plan(ablate.parse_args(['growing']), ablate.PRESETS['growing'])
+    ablate.resolve(jobs)
+    assert [j['arm']['name'] for j in jobs] == ['loop_rmsnorm', 'loop_raw']
+    for j in jobs:
+        cfg = j['cfg']
+        sizes = [cfg[k] for k in 'max_iters n_embd n_layer n_loop batch_size'.split()]
+        assert sizes == [10_000, 128, 2, 4, 16]
+        assert [cfg[k] for k in 'learning_rate lr_schedule init supervision'.split()] == [
+            3e-4, 'constant', 'reference', 'per_loop']
+    assert [j['cfg']['readout'] for j in jobs] == ['rmsnorm', 'raw']
+
+
+def test_growing_report_tabulates_norms_at_fixed_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name, norm in (('loop_rmsnorm-s1', 100.0), ('loop_raw-s1', 10.0)):
+        os.makedirs(f'runs/{name}')
+        with open(f'runs/{name}/metrics.jsonl', 'w') as fh:
+            for it in range(0, 1050, 50):
+                ce = [3.0 - it / 1000, 2.9 - it / 1000]
+                fh.write(json.dumps(dict(iter=it, val_loss=ce[-1], val_ce=ce, train_ce=ce,
+                                         norm=[norm + it, 2 * (norm + it)])) + '\n')
+        with open(f'runs/{name}/status.json', 'w') as fh:
+            json.dump(dict(train='done'), fh)
+    monkeypatch.setitem(ablate.PRESETS, 'growing', dict(ablate.PRESETS['growing'], laptop='none.py'))
+    jobs = ablate.plan(ablate.parse_args(['growing', '--out=runs', '--seeds=1']), ablate.PRESETS['growing'])
+    for j in jobs:
+        j['cfg'] = dict(dataset='d', n_embd=1, n_layer=1, block_size=1, batch_size=1,
+                        gradient_accumulation_steps=1, max_iters=1000, lr_schedule='c', init='i')
+    args = ablate.parse_args(['growing', '--out=runs', '--report_dir=rep', '--seeds=1'])
+    md = open(ablate.write_report('growing', ablate.PRESETS['growing'], jobs, args, {})).read()
+    assert '| loop_rmsnorm | 600 | 700.0 / 1400.0 | 2.400 / 2.300 | 2.400 / 2.300 |' in md
+    assert '| loop_raw | 1000 | 1010.0 / 2020.0 | 2.000 / 1.900 |' in md
+    assert '| loop_rmsnorm | 2000 |' not in md  # only steps the run reached
+
 def write_run(d, val_losses, status='done'):
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, 'metrics.jsonl'), 'w') as fh:

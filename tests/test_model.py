@@ -194,6 +194,26 @@ def test_deeploop_beta_scales_only_value_output_and_mlp():
     assert torch.equal(base.transformer.wte.weight, scaled.transformer.wte.weight)  # embeddings untouched
 
 
+
+@pytest.mark.parametrize('block,scaling,mlp', [
+    ('sandwich', 'deeploop', 'gelu'), ('postln', 'deepnorm', 'gelu'), ('sandwich', 'deepnorm', 'swiglu'),
+    ('sandwich', 'none', 'gelu'), ('preln', 'none', 'swiglu')])
+def test_gpt2_init_under_depth_scaling_gives_every_beta_matrix_std_0_02_beta(block, scaling, mlp):
+    # docs/papers.md §2: with depth scaling beta replaces GPT-2's 1/sqrt(2N) on the residual projections
+    # (a plain N(0, 0.02), then beta, as in DeepNorm's reference); without it GPT-2's rule stays
+    m = tiny(init='gpt2', block=block, depth_scaling=scaling, mlp=mlp, n_embd=256, n_head=4, n_layer=4)
+    cfg, C = m.config, 256
+    beta, gpt2_resid = cfg.beta, 1 / math.sqrt(2 * cfg.n_unrolled)  # N = 4 * 3 = 12 unrolled blocks
+    assert (beta < 1) == (scaling != 'none')
+    for b in m.transformer.h:
+        expected = [(b.attn.c_attn.weight[:2 * C], 0.02),            # Q, K: never scaled
+                    (b.attn.c_attn.weight[2 * C:], 0.02 * beta),     # V
+                    (b.mlp.c_fc.weight, 0.02 * beta),
+                    (b.attn.c_proj.weight, 0.02 * (beta if scaling != 'none' else gpt2_resid)),
+                    (b.mlp.c_proj.weight, 0.02 * (beta if scaling != 'none' else gpt2_resid))]
+        for w, std in expected:
+            assert abs(w.std().item() / std - 1) < 0.03, (w.shape, w.std().item(), std)
+
 def rms_norm(x, norm):
     # RMSNorm written out (eps 1e-6 as in the reference code), with that norm module's learned gain
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
