@@ -1,9 +1,12 @@
 r"""
 Sweeps: a preset's config arms x seeds -> one train.py run each (own out_dir) -> eval_depth.py -> a report
-(markdown tables + PNG plots). The two presets reproduce the papers' ablations (docs/papers.md §1, §2):
+(markdown tables + PNG plots). The presets reproduce the papers' ablations (docs/papers.md §1, §2, §3):
 
     python ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
+    python ablate.py kappa       # paper 2's visit alignment kappa_R over training, R in {1, 2, 4, 8}; gamma
+    python ablate.py escape      # paper 2's p-sweep: runs that leave the unigram floor, R = 3, 5 seeds
+    python ablate.py lr_transfer # loop-scaled residuals (§3): best LR per R with and without eps
     python ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --set max_iters=100
 
