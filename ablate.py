@@ -763,6 +763,13 @@ def kappa_at(runs, it):
     return mean([min(s, key=lambda p: abs(p[0] - it))[1] for s in series if s])
 
 
+def kappa_late(runs):
+    """kappa_R averaged over the evals of the second half of training (less noisy than one eval's batch),
+    mean over the runs (seeds)."""
+    series = [kappa_series(r) for r in runs]
+    return mean([mean([k for it, k in s if it >= s[-1][0] / 2]) for s in series if s])
+
+
 def fit_gamma(Rs, kappas, min_R=2):
     """gamma of kappa_R ~ c R^gamma: the least-squares slope of log kappa_R on log R over R >= min_R
     (docs/papers.md §2). None with fewer than two usable points (missing or kappa <= 0)."""
@@ -791,6 +798,9 @@ def kappa_table(runs, variants, Rs, steps):
             ks = [kappa_at(by[v, R], it) for R in Rs]
             lines.append(f"| {v} | {it} | " + " | ".join(fmt(k, '.3f') for k in ks)
                          + f" | {fmt(fit_gamma(Rs, ks), '+.3f')} | {fmt(fit_gamma(Rs, ks, 1), '+.3f')} |")
+        ks = [kappa_late(by[v, R]) for R in Rs]
+        lines.append(f"| {v} | mean, 2nd half | " + " | ".join(fmt(k, '.3f') for k in ks)
+                     + f" | {fmt(fit_gamma(Rs, ks), '+.3f')} | {fmt(fit_gamma(Rs, ks, 1), '+.3f')} |")
     return lines + [""]
 
 

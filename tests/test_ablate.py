@@ -254,6 +254,7 @@ def test_kappa_report_tabulates_kappa_vs_R_and_fits_gamma(tiny_data, tiny_config
     md = (tmp_path / 'rep' / 'tinykappa.md').read_text()
     assert '| v | 0 | 1.000 | 1.000 | 1.000 | 1.000 | +0.000 | +0.000 |' in md
     assert f'| v | 30 | 1.000 | {2 ** 0.8:.3f} | {4 ** 0.8:.3f} | {8 ** 0.8:.3f} | +0.800 | +0.800 |' in md
+    assert f'| v | mean, 2nd half | 1.000 | {2 ** 0.8:.3f} |' in md  # step 0 lies in the first half
 
 
 def test_lr_transfer_report_marks_the_best_lr_per_R(tiny_data, tiny_config, tmp_path, monkeypatch):
