@@ -815,7 +815,7 @@ def final_loss_table(runs, variants, Rs, floor):
 
 def plot_kappa(plt, runs, variants, Rs, report_dir, prefix):
     """kappa_R vs step, one panel per variant, one line per R (dashed: further seeds)."""
-    fig, axes = plt.subplots(1, len(variants), figsize=(3.4 * len(variants), 3.0), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(variants), figsize=(3.4 * len(variants), 3.2), sharey=True, squeeze=False)
     for ax, v in zip(axes[0], variants):
         for c, R in enumerate(Rs):
             for s, r in enumerate([r for r in runs if r['arm']['tags'] == dict(variant=v, R=R)]):
@@ -828,7 +828,8 @@ def plot_kappa(plt, runs, variants, Rs, report_dir, prefix):
         ax.grid(alpha=0.3, which='both')
     axes[0][0].legend(fontsize=7)
     fig.supxlabel('training step')
-    fig.supylabel('κ_R (1: orthogonal visits, R: aligned)')
+    fig.supylabel('κ_R (log2)')
+    fig.suptitle('κ_R = ‖Σ_r G_r‖² / Σ_r ‖G_r‖²: 1 when the R visits are orthogonal, R when aligned', fontsize=9)
     fig.tight_layout()
     return save(fig, plt, report_dir, f'{prefix}_over_training.png')
 
