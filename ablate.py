@@ -829,7 +829,8 @@ def plot_kappa(plt, runs, variants, Rs, report_dir, prefix):
     axes[0][0].legend(fontsize=7)
     fig.supxlabel('training step')
     fig.supylabel('κ_R (log2)')
-    fig.suptitle('κ_R = ‖Σ_r G_r‖² / Σ_r ‖G_r‖²: 1 when the R visits are orthogonal, R when aligned', fontsize=9)
+    fig.suptitle('κ_R = ‖Σ_r G_r‖² / Σ_r ‖G_r‖²: 1 when the R visits are orthogonal, R when aligned',
+                 fontsize=9)
     fig.tight_layout()
     return save(fig, plt, report_dir, f'{prefix}_over_training.png')
 
