@@ -847,13 +847,19 @@ def plot_gamma(plt, runs, variants, Rs, report_dir, prefix):
                 color=plt.cm.tab10(c), label=v)
     for y in (0, 1):
         ax.axhline(y, color='k', lw=0.8, ls=':')
-    ax.set_xlabel('training step')
-    ax.set_ylabel('γ of κ_R ≈ c R^γ (fit over R = 2, 4, 8)')
     ax.set_title('γ = 0: visits decorrelate (p = 1/4 suffices); γ = 1: visits align (p = 1/2)', fontsize=9)
+    return finish_plot(fig, ax, plt, 'training step', 'γ of κ_R ≈ c R^γ (fit over R = 2, 4, 8)',
+                       os.path.join(report_dir, f'{prefix}_gamma.png'))
+
+
+def finish_plot(fig, ax, plt, xlabel, ylabel, path):
+    """Axis labels, grid, legend and layout of a one-panel report plot, saved to path."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    return save(fig, plt, report_dir, f'{prefix}_gamma.png')
+    return save(fig, plt, *os.path.split(path))
 
 
 def kappa_report(arms, header, report_dir, prefix, floor):
@@ -959,12 +965,8 @@ def plot_escape(plt, runs, ps, floor, report_dir, prefix):
     if floor is not None:
         ax.axhline(floor, color='k', lw=0.8, ls=':')
         ax.set_ylim(min([x['val_loss'] for r in runs for x in r['rows']] + [floor]) - 0.1, floor + 1.0)
-    ax.set_xlabel('training step (dotted: unigram floor)')
-    ax.set_ylabel('val loss (exit R)')
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save(fig, plt, report_dir, f'{prefix}_loss.png')
+    return finish_plot(fig, ax, plt, 'training step (dotted: unigram floor)', 'val loss (exit R)',
+                       os.path.join(report_dir, f'{prefix}_loss.png'))
 
 
 def escape_report(arms, header, report_dir, prefix, floor):
