@@ -1,12 +1,15 @@
 r"""
 Sweeps: a preset's config arms x seeds -> one train.py run each (own out_dir) -> eval_depth.py -> a report
-(markdown tables + PNG plots). The two presets reproduce the papers' ablations (docs/papers.md §1, §2):
+(markdown tables + PNG plots). The presets reproduce the papers' ablations (docs/papers.md §1, §2, §3):
 
     python ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
     python ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
     python ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10,000 steps
     python ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm vs init/LR
+    python ablate.py kappa       # paper 2's visit alignment kappa_R over training, R in {1, 2, 4, 8}; gamma
+    python ablate.py escape      # paper 2's p-sweep: runs that leave the unigram floor, R = 3, 5 seeds
+    python ablate.py lr_transfer # loop-scaled residuals (§3): best LR per R with and without eps
     python ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --set max_iters=100
 
@@ -68,6 +71,11 @@ DEEPLOOP_VARIANTS = [  # (name, block, depth_scaling): docs/papers.md §2's alph
 
 DEEPLOOP_RS = (1, 4, 8)       # loop counts at fixed K
 DEEPLOOP_LRS = (1e-3, 3e-3)   # post-norm blocks are far more LR-sensitive than pre-norm ones
+KAPPA_RS = (1, 2, 4, 8)       # loop counts of the kappa_R and LR-transfer sweeps (gamma from kappa_R vs R)
+KAPPA_LR = 3e-3               # the deeploop sweep's LR where sandwich p = 0 stays on the floor at R >= 4
+LR_TRANSFER_LRS = (3e-4, 1e-3, 3e-3, 1e-2)   # Wang et al.'s claim (docs/papers.md §3): with eps, one best LR
+ESCAPE_PS = (0, 0.25, 0.30, 0.40, 0.50, 0.60)  # docs/papers.md §2's p-sweep at R = 3 (p = 0, 1/4 added)
+PAPER_ESCAPES = {0.30: '0/5', 0.40: '2/5', 0.50: '3/5', 0.60: '5/5'}  # docs/papers.md §2, GPT-2 small
 
 PRESETS = {
     'blindspot': dict(
@@ -93,6 +101,28 @@ PRESETS = {
         arms=[arm(f'{v}-R{R}-lr{lr:g}', block=block, depth_scaling=ds, n_loop=R, learning_rate=lr,
                   tags=dict(variant=v, R=R, lr=lr))
               for lr in DEEPLOOP_LRS for R in DEEPLOOP_RS for v, block, ds in DEEPLOOP_VARIANTS]),
+    'kappa': dict(
+        title="Visit alignment kappa_R over training: pre-norm and sandwich p in {0, 1/4, 1/2}, "
+              "R in {1, 2, 4, 8}",
+        laptop='config/laptop_deeploop.py', seeds=(1,), eval_depth=False, report='kappa',
+        arms=[arm(f'{v}-R{R}', block=block, depth_scaling=ds, n_loop=R, learning_rate=KAPPA_LR,
+                  log_kappa=True, tags=dict(variant=v, R=R))
+              for R in KAPPA_RS for v, block, ds in DEEPLOOP_VARIANTS]),
+    'lr_transfer': dict(
+        title="Loop-scaled residuals and LR transfer: final val loss vs LR per R, pre-norm with and without "
+              "eps = 1/(R sqrt K)",
+        laptop='config/laptop_deeploop.py', seeds=(1, 2), eval_depth=False, report='lr_transfer',
+        arms=[arm(f'preln{"_eps" if eps else ""}-R{R}-lr{lr:g}', *(['config/loop_eps.py'] if eps else []),
+                  n_loop=R, learning_rate=lr, eval_interval=100, eval_iters=16,  # few evals, less noisy
+                  tags=dict(eps=eps, R=R, lr=lr))
+              for eps in (False, True) for lr in LR_TRANSFER_LRS for R in KAPPA_RS]),
+    'escape': dict(
+        title="DeepLoop's escape fractions at laptop size: sandwich R = 3, p in {0, 1/4, 0.3, 0.4, 0.5, "
+              "0.6}, lr 3e-3",
+        laptop='config/laptop_deeploop.py', seeds=(1, 2, 3, 4, 5), eval_depth=False, report='escape',
+        arms=[arm(f'sandwich_p{p:g}', block='sandwich', depth_scaling=p, n_loop=3, learning_rate=KAPPA_LR,
+                  tags=dict(p=p))
+              for p in ESCAPE_PS]),
 }
 
 # the recurrent-depth family at the blind-spot sweep's size (docs/papers.md §4); each arm adds to the one
@@ -861,6 +891,236 @@ def deeploop_report(arms, header, report_dir, prefix, floor):
     return lines
 
 # -----------------------------------------------------------------------------
+# the kappa_R report: visit alignment vs R at a few points in training, and its exponent gamma
+
+def kappa_series(run):
+    """[(iter, kappa_R)] of a run's metrics rows that hold a kappa (train.py's log_kappa)."""
+    return [(x['iter'], x['kappa']) for x in run['rows'] if x.get('kappa') is not None]
+
+
+def kappa_at(runs, it):
+    """kappa_R at the eval nearest step `it`, mean over the runs (seeds) that logged one."""
+    series = [kappa_series(r) for r in runs]
+    return mean([min(s, key=lambda p: abs(p[0] - it))[1] for s in series if s])
+
+
+def kappa_late(runs):
+    """kappa_R averaged over the evals of the second half of training (less noisy than one eval's batch),
+    mean over the runs (seeds)."""
+    series = [kappa_series(r) for r in runs]
+    return mean([mean([k for it, k in s if it >= s[-1][0] / 2]) for s in series if s])
+
+
+def fit_gamma(Rs, kappas, min_R=2):
+    """gamma of kappa_R ~ c R^gamma: the least-squares slope of log kappa_R on log R over R >= min_R
+    (docs/papers.md §2). None with fewer than two usable points (missing or kappa <= 0)."""
+    pts = [(math.log(R), math.log(k)) for R, k in zip(Rs, kappas) if R >= min_R and k is not None and k > 0]
+    if len(pts) < 2:
+        return None
+    x, y = np.array(pts).T
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def kappa_steps(runs, n=4):
+    """n training points: step 0, the last eval, and evenly spaced evals in between."""
+    last = max((r['rows'][-1]['iter'] for r in runs if r['rows']), default=0)
+    return sorted({round(last * i / (n - 1)) for i in range(n)})
+
+
+def kappa_table(runs, variants, Rs, steps):
+    by = {(v, R): [r for r in runs if r['arm']['tags'] == dict(variant=v, R=R)] for v in variants for R in Rs}
+    lines = ["kappa_R (mean over the shared matrices, one fixed training batch; R when the visits' gradients "
+             "align, 1 when orthogonal), and gamma of kappa_R ~ c R^gamma fitted on log-log by least squares "
+             "over R >= 2 (kappa_1 = 1 by definition) and over all R:", "",
+             "| variant | step | " + " | ".join(f"κ R={R}" for R in Rs) + " | γ (R ≥ 2) | γ (all R) |",
+             "|---|---|" + "---|" * (len(Rs) + 2)]
+    for v in variants:
+        for it in steps:
+            ks = [kappa_at(by[v, R], it) for R in Rs]
+            lines.append(f"| {v} | {it} | " + " | ".join(fmt(k, '.3f') for k in ks)
+                         + f" | {fmt(fit_gamma(Rs, ks), '+.3f')} | {fmt(fit_gamma(Rs, ks, 1), '+.3f')} |")
+        ks = [kappa_late(by[v, R]) for R in Rs]
+        lines.append(f"| {v} | mean, 2nd half | " + " | ".join(fmt(k, '.3f') for k in ks)
+                     + f" | {fmt(fit_gamma(Rs, ks), '+.3f')} | {fmt(fit_gamma(Rs, ks, 1), '+.3f')} |")
+    return lines + [""]
+
+
+def final_loss_table(runs, variants, Rs, floor):
+    lines = ["Final val loss (exit R) per seed, and escaped runs / seeds (unigram floor rule):", "",
+             "| variant | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]
+    for v in variants:
+        cells = [loss_cell([r for r in runs if r['arm']['tags'] == dict(variant=v, R=R)], floor) for R in Rs]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def plot_kappa(plt, runs, variants, Rs, report_dir, prefix):
+    """kappa_R vs step, one panel per variant, one line per R (dashed: further seeds)."""
+    fig, axes = plt.subplots(1, len(variants), figsize=(3.4 * len(variants), 3.2), sharey=True, squeeze=False)
+    for ax, v in zip(axes[0], variants):
+        for c, R in enumerate(Rs):
+            for s, r in enumerate([r for r in runs if r['arm']['tags'] == dict(variant=v, R=R)]):
+                pts = kappa_series(r)
+                if pts:
+                    ax.plot(*zip(*pts), color=plt.cm.viridis(c / max(1, len(Rs) - 1)), lw=1.2,
+                            ls='-' if s == 0 else '--', label=f'R={R}' if s == 0 else None)
+        ax.set_yscale('log', base=2)
+        ax.set_title(v, fontsize=9)
+        ax.grid(alpha=0.3, which='both')
+    axes[0][0].legend(fontsize=7)
+    fig.supxlabel('training step')
+    fig.supylabel('κ_R (log2)')
+    fig.suptitle('κ_R = ‖Σ_r G_r‖² / Σ_r ‖G_r‖²: 1 when the R visits are orthogonal, R when aligned',
+                 fontsize=9)
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}_over_training.png')
+
+
+def plot_gamma(plt, runs, variants, Rs, report_dir, prefix):
+    """gamma (fit over R >= 2) at every eval step, one line per variant; 0 and 1 dotted."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for c, v in enumerate(variants):
+        vruns = [r for r in runs if r['arm']['tags']['variant'] == v]
+        steps = sorted({it for r in vruns for it, _ in kappa_series(r)})
+        gammas = [fit_gamma(Rs, [kappa_at([r for r in vruns if r['arm']['tags']['R'] == R], it) for R in Rs])
+                  for it in steps]
+        ax.plot(steps, [np.nan if g is None else g for g in gammas], 'o-', ms=2.5, lw=1.2,
+                color=plt.cm.tab10(c), label=v)
+    for y in (0, 1):
+        ax.axhline(y, color='k', lw=0.8, ls=':')
+    ax.set_title('γ = 0: visits decorrelate (p = 1/4 suffices); γ = 1: visits align (p = 1/2)', fontsize=9)
+    return finish_plot(fig, ax, plt, 'training step', 'γ of κ_R ≈ c R^γ (fit over R = 2, 4, 8)',
+                       os.path.join(report_dir, f'{prefix}_gamma.png'))
+
+
+def finish_plot(fig, ax, plt, xlabel, ylabel, path):
+    """Axis labels, grid, legend and layout of a one-panel report plot, saved to path."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, plt, *os.path.split(path))
+
+
+def kappa_report(arms, header, report_dir, prefix, floor):
+    runs = [r for rs in arms.values() for r in rs]
+    variants = list(dict.fromkeys(r['arm']['tags']['variant'] for r in runs))
+    Rs = sorted({r['arm']['tags']['R'] for r in runs})
+    lines = (header + kappa_table(runs, variants, Rs, kappa_steps(runs)) + floor_lines(floor)
+             + final_loss_table(runs, variants, Rs, floor))
+    plt = plt_or_none()
+    if plt is not None:
+        for name in (plot_kappa(plt, runs, variants, Rs, report_dir, prefix),
+                     plot_gamma(plt, runs, variants, Rs, report_dir, prefix)):
+            lines.append(f"![{name}]({name})")
+    return lines
+
+# -----------------------------------------------------------------------------
+# the LR-transfer report: final val loss vs LR, one curve per R, with and without loop-scaled residuals
+
+def lr_losses(runs, eps, R, lr):
+    """Final val losses of the finished seeds of one cell (nan where a run diverged)."""
+    return [final_loss(r) for r in runs if r['arm']['tags'] == dict(eps=eps, R=R, lr=lr)
+            and final_loss(r) is not None]
+
+
+def lr_mean(runs, eps, R, lr):
+    vals = [v for v in lr_losses(runs, eps, R, lr) if math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def best_lr(runs, eps, R, lrs):
+    means = {lr: lr_mean(runs, eps, R, lr) for lr in lrs}
+    means = {lr: m for lr, m in means.items() if m is not None}
+    return min(means, key=means.get) if means else None
+
+
+def lr_table(runs, eps, Rs, lrs):
+    what = "with eps = 1/(R sqrt K) (config/loop_eps.py)" if eps else "without eps (plain pre-norm)"
+    lines = [f"Final val loss (exit R), mean of seeds (each seed in brackets), {what}; best LR in bold:", "",
+             "| R | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best LR |",
+             "|---|" + "---|" * (len(lrs) + 1)]
+    for R in Rs:
+        best, cells = best_lr(runs, eps, R, lrs), []
+        for lr in lrs:
+            m, seeds = lr_mean(runs, eps, R, lr), lr_losses(runs, eps, R, lr)
+            cell = f"{fmt(m, '.3f')} ({' / '.join(fmt(v, '.3f') for v in seeds)})"
+            cells.append(f"**{cell}**" if lr == best else cell)
+        lines.append(f"| {R} | " + " | ".join(cells) + f" | {fmt(best, 'g')} |")
+    return lines + [""]
+
+
+def plot_lr_transfer(plt, runs, Rs, lrs, report_dir, prefix):
+    """Final val loss vs LR (log x), one curve per R; left without eps, right with."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
+    for ax, eps in zip(axes, (False, True)):
+        for c, R in enumerate(Rs):
+            ys = [lr_mean(runs, eps, R, lr) for lr in lrs]
+            ax.plot(lrs, [np.nan if y is None else y for y in ys], 'o-', lw=1.2,
+                    color=plt.cm.viridis(c / max(1, len(Rs) - 1)), label=f'R={R}')
+        ax.set_xscale('log')
+        ax.set_title('pre-norm + eps = 1/(R√K)' if eps else 'pre-norm, no eps', fontsize=9)
+        ax.set_xlabel('learning rate')
+        ax.grid(alpha=0.3, which='both')
+    axes[0].set_ylabel('final val loss (exit R), mean of seeds')
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}.png')
+
+
+def lr_transfer_report(arms, header, report_dir, prefix):
+    runs = [r for rs in arms.values() for r in rs]
+    Rs = sorted({r['arm']['tags']['R'] for r in runs})
+    lrs = sorted({r['arm']['tags']['lr'] for r in runs})
+    lines = header + lr_table(runs, False, Rs, lrs) + lr_table(runs, True, Rs, lrs)
+    plt = plt_or_none()
+    if plt is not None:
+        name = plot_lr_transfer(plt, runs, Rs, lrs, report_dir, prefix)
+        lines.append(f"![{name}]({name})")
+    return lines
+
+# -----------------------------------------------------------------------------
+# the escape report: runs that left the unigram floor per p, beside the paper's p-sweep
+
+def escape_table(runs, ps, floor):
+    lines = ["| p | escaped here | final val loss per seed | paper (GPT-2 small, R = 3, ~2,700 steps) |",
+             "|---|---|---|---|"]
+    for p in ps:
+        rs = [r for r in runs if r['arm']['tags']['p'] == p]
+        vals = ' / '.join('failed' if r['status'].get('train') == 'failed' else fmt(final_loss(r), '.3f')
+                          for r in rs)
+        lines.append(f"| {p:g} | {sum(escaped(r, floor) for r in rs)}/{len(rs)} | {vals} | "
+                     f"{PAPER_ESCAPES.get(p, 'not run')} |")
+    return lines + [""]
+
+
+def plot_escape(plt, runs, ps, floor, report_dir, prefix):
+    """Val loss vs step, one color per p (every seed drawn), the unigram floor dotted."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c, p in enumerate(ps):
+        for s, r in enumerate([r for r in runs if r['arm']['tags']['p'] == p]):
+            if r['rows']:
+                ax.plot([x['iter'] for x in r['rows']], [x['val_loss'] for x in r['rows']], lw=1,
+                        color=plt.cm.plasma(c / max(1, len(ps) - 1)), label=f'p={p:g}' if s == 0 else None)
+    if floor is not None:
+        ax.axhline(floor, color='k', lw=0.8, ls=':')
+        ax.set_ylim(min([x['val_loss'] for r in runs for x in r['rows']] + [floor]) - 0.1, floor + 1.0)
+    return finish_plot(fig, ax, plt, 'training step (dotted: unigram floor)', 'val loss (exit R)',
+                       os.path.join(report_dir, f'{prefix}_loss.png'))
+
+
+def escape_report(arms, header, report_dir, prefix, floor):
+    runs = [r for rs in arms.values() for r in rs]
+    ps = sorted({r['arm']['tags']['p'] for r in runs})
+    lines = header + floor_lines(floor) + escape_table(runs, ps, floor)
+    plt = plt_or_none()
+    if plt is not None:
+        name = plot_escape(plt, runs, ps, floor, report_dir, prefix)
+        lines.append(f"![{name}]({name})")
+    return lines
+
+# -----------------------------------------------------------------------------
 # writing the report
 
 def report_header(preset, jobs, n_arms, args, sweep):
@@ -895,14 +1155,21 @@ def write_report(preset_name, preset, jobs, args, sweep):
     os.makedirs(args.report_dir, exist_ok=True)
     header = report_header(preset, jobs, len(arms), args, sweep)
     prefix = preset_name
+    floor = unigram_floor(os.path.join('data', jobs[0]['cfg']['dataset'])) \
+        if preset['report'] in ('deeploop', 'kappa', 'escape') else None
     if preset['report'] == 'blindspot':
         lines = blindspot_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'recurrent':
         lines = recurrent_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'growing':
         lines = growing_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'kappa':
+        lines = kappa_report(arms, header, args.report_dir, prefix, floor)
+    elif preset['report'] == 'lr_transfer':
+        lines = lr_transfer_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'escape':
+        lines = escape_report(arms, header, args.report_dir, prefix, floor)
     else:
-        floor = unigram_floor(os.path.join('data', jobs[0]['cfg']['dataset']))
         lines = deeploop_report(arms, header, args.report_dir, prefix, floor)
     path = os.path.join(args.report_dir, f'{prefix}.md')
     with open(path, 'w', encoding='utf-8') as fh:

@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 from errors import die, duration, first_line
+from eval_depth import visit_alignment
 from model import GPT, GPTConfig, auto_dtype
 from prepare import open_data
 
@@ -55,6 +56,8 @@ eval_interval = 250              # evaluate (and checkpoint) every this many ite
 log_interval = 50                # print the training loss every this many iterations
 eval_iters = 10                  # batches per split per evaluation (the same batches every time)
 eval_only = False                # evaluate once and exit
+log_kappa = False                # also log kappa_R at each eval (docs/papers.md §2: mean visit alignment of
+                                 # the shared matrices on one train batch); costs one extra backward pass
 always_save_checkpoint = True    # save at every eval, not only when the val loss improves
 init_from = 'scratch'            # 'scratch', 'resume' (from out_dir/ckpt.pt), or 'auto': resume if out_dir
                                  # holds ckpt.pt, else scratch (a requeued job reruns the same command)
@@ -354,6 +357,15 @@ def get_lr(it):
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # coeff ranges 0..1
     return min_lr + coeff * (learning_rate - min_lr)
 
+def mean_kappa():
+    """kappa_R of the training loss on one fixed training batch, averaged over the shared matrices (§2)."""
+    X, Y = get_batch('train', torch.Generator().manual_seed(seed + 1))
+    raw_model.eval()
+    with ctx:
+        kappa = visit_alignment(raw_model, X, Y)['mean']
+    raw_model.train()
+    return kappa
+
 def log_eval(it, losses, lr):
     """The eval block on stdout, one row of metrics.jsonl, and wandb if on (rank 0 only)."""
     row = lambda name, vals, fmt: f"  {name:<10}" + ''.join(format(v, fmt).rjust(11) for v in vals)
@@ -363,11 +375,15 @@ def log_eval(it, losses, lr):
     print(row('train CE', losses['train_ce'], '.4f'))
     print(row('val CE', losses['val_ce'], '.4f'))
     print(row('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
+    kappa = mean_kappa() if log_kappa else None
+    if kappa is not None:
+        print(f"  kappa_R {kappa:9.3f}   (visit alignment in [0, R = {n_loop}], mean over the shared "
+              f"matrices, one train batch)")
     metrics = {'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
                'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
                'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
                'tokens': it * tokens_per_iter, 'bad_steps': bad_total,
-               'time': round(time.time() - t_start, 3)}
+               'time': round(time.time() - t_start, 3), **({'kappa': kappa} if log_kappa else {})}
     if not eval_only:
         try:
             with open(metrics_path, 'a', encoding='utf-8') as f:

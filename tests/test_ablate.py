@@ -262,3 +262,98 @@ def test_recurrent_sweep_reports_test_time_depth_scale_and_three_exits(tiny_data
     rows = {line.split('|')[1].strip(): line for line in md.split('### Calibrated halting')[1].splitlines()
             if line.startswith('| random_depth') or line.startswith('| ouro')}
     assert rows['random_depth'].endswith('| n/a |') and not rows['ouro'].endswith('| n/a |')
+
+
+# ------------------------------------------------ kappa_R, LR transfer and escapes (docs/papers.md §2, §3)
+
+def test_theory_presets_plan_their_grids_as_train_py_resolves_them(repo_dir, monkeypatch):
+    monkeypatch.chdir(repo_dir)
+    jobs = {}
+    for name in ('kappa', 'lr_transfer', 'escape'):
+        jobs[name] = ablate.plan(ablate.parse_args([name]), ablate.PRESETS[name])
+    assert len(jobs['kappa']) == 4 * 4 and len(jobs['lr_transfer']) == 2 * 4 * 4 * 2
+    assert len(jobs['escape']) == 6 * 5
+    picks = [jobs['kappa'][-1], jobs['lr_transfer'][0], jobs['lr_transfer'][-1], jobs['escape'][6]]
+    ablate.resolve(picks)
+    cfg = [j['cfg'] for j in picks]
+    keys = ('block', 'depth_scaling', 'n_loop', 'log_kappa')
+    assert [cfg[0][k] for k in keys] == ['sandwich', 'deeploop', 8, True]
+    assert [cfg[1][k] for k in ('block', 'loop_eps', 'n_loop', 'learning_rate')] == ['preln', 0.0, 1, 3e-4]
+    assert [cfg[2][k] for k in ('block', 'loop_eps', 'n_loop', 'learning_rate')] == ['preln', 1.0, 8, 1e-2]
+    assert not cfg[1]['log_kappa'] and cfg[2]['max_iters'] == 300
+    assert ablate.GPTConfig(block='sandwich', depth_scaling=cfg[3]['depth_scaling']).depth_exponent == 0.25
+    assert [cfg[3][k] for k in ('n_loop', 'learning_rate', 'seed')] == [3, 3e-3, 2]
+
+
+def test_gamma_is_the_log_log_slope_of_kappa_against_R():
+    Rs = [1, 2, 4, 8]
+    assert ablate.fit_gamma(Rs, [2.0 * R ** 0.5 for R in Rs]) == pytest.approx(0.5)
+    assert ablate.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3]) == pytest.approx(0.0, abs=1e-12)  # R = 1 left out
+    assert ablate.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3], min_R=1) > 0.05                 # unless asked
+    assert ablate.fit_gamma(Rs, [1.0, None, 0.0, 2.0]) is None  # fewer than two usable points
+
+
+def write_rows(d, rows, status='done'):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, 'metrics.jsonl'), 'w') as fh:
+        fh.writelines(json.dumps(r) + '\n' for r in rows)
+    with open(os.path.join(d, 'status.json'), 'w') as fh:
+        json.dump(dict(train=status), fh)
+
+
+def test_kappa_report_tabulates_kappa_vs_R_and_fits_gamma(tiny_data, tiny_config, tmp_path, monkeypatch):
+    # aligned-looking runs: kappa_R = R^0.8 at the end, 1.0 (gamma 0) at step 0
+    monkeypatch.chdir(tmp_path)
+    arms = [ablate.arm(f'v-R{R}', n_loop=R, tags=dict(variant='v', R=R)) for R in (1, 2, 4, 8)]
+    monkeypatch.setitem(ablate.PRESETS, 'tinykappa', dict(title='t', laptop=tiny_config, seeds=(1,),
+                                                          eval_depth=False, report='kappa', arms=arms))
+    for R in (1, 2, 4, 8):
+        write_rows(f'runs/v-R{R}-s1', [dict(iter=0, val_loss=4.0, kappa=1.0),
+                                       dict(iter=30, val_loss=2.0, kappa=R ** 0.8)])
+    ablate.main(['tinykappa', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
+    md = (tmp_path / 'rep' / 'tinykappa.md').read_text()
+    assert '| v | 0 | 1.000 | 1.000 | 1.000 | 1.000 | +0.000 | +0.000 |' in md
+    assert f'| v | 30 | 1.000 | {2 ** 0.8:.3f} | {4 ** 0.8:.3f} | {8 ** 0.8:.3f} | +0.800 | +0.800 |' in md
+    assert f'| v | mean, 2nd half | 1.000 | {2 ** 0.8:.3f} |' in md  # step 0 lies in the first half
+
+
+def test_lr_transfer_report_marks_the_best_lr_per_R(tiny_data, tiny_config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    losses = {(False, 1e-3): 2.0, (False, 1e-2): 2.5, (True, 1e-3): 2.6, (True, 1e-2): 2.1}
+    arms = [ablate.arm(f'e{int(eps)}-lr{lr:g}', tags=dict(eps=eps, R=2, lr=lr)) for eps, lr in losses]
+    monkeypatch.setitem(ablate.PRESETS, 'tinylr', dict(title='t', laptop=tiny_config, seeds=(1,),
+                                                       eval_depth=False, report='lr_transfer', arms=arms))
+    for (eps, lr), v in losses.items():
+        write_rows(f'runs/e{int(eps)}-lr{lr:g}-s1', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=v)])
+    ablate.main(['tinylr', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
+    without, with_eps = (tmp_path / 'rep' / 'tinylr.md').read_text().split('with eps', 1)
+    assert '| 2 | **2.000 (2.000)** | 2.500 (2.500) | 0.001 |' in without
+    assert '| 2 | 2.600 (2.600) | **2.100 (2.100)** | 0.01 |' in with_eps
+
+
+def test_escape_report_counts_escapes_beside_the_papers(tiny_data, tiny_config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    arms = [ablate.arm(f'p{p:g}', tags=dict(p=p)) for p in (0.3, 0.6)]
+    monkeypatch.setitem(ablate.PRESETS, 'tinyesc', dict(title='t', laptop=tiny_config, seeds=(1, 2),
+                                                        eval_depth=False, report='escape', arms=arms))
+    floor = ablate.unigram_floor(str(tiny_data))
+    for s, v in ((1, floor), (2, floor - 1.0)):
+        write_rows(f'runs/p0.3-s{s}', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=v)])
+        write_rows(f'runs/p0.6-s{s}', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=floor - 1.0)])
+    ablate.main(['tinyesc', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
+    md = (tmp_path / 'rep' / 'tinyesc.md').read_text()
+    assert f'| 0.3 | 1/2 | {floor:.3f} / {floor - 1:.3f} | 0/5 |' in md
+    assert f'| 0.6 | 2/2 | {floor - 1:.3f} / {floor - 1:.3f} | 5/5 |' in md
+
+
+def test_kappa_sweep_runs_end_to_end_and_logs_kappa(tiny_data, tiny_config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    arms = [ablate.arm(f'preln-R{R}', n_loop=R, log_kappa=True, tags=dict(variant='preln', R=R))
+            for R in (1, 2)]
+    monkeypatch.setitem(ablate.PRESETS, 'tinyk', dict(title='t', laptop=tiny_config, seeds=(3,),
+                                                      eval_depth=False, report='kappa', arms=arms))
+    ablate.main(['tinyk', '--out', 'runs', '--report_dir', 'rep', '--workers=2'])
+    text = (tmp_path / 'runs' / 'preln-R2-s3' / 'metrics.jsonl').read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert all(0 < r['kappa'] < 2 for r in rows)
+    assert '| preln | 5 | 1.000 |' in (tmp_path / 'rep' / 'tinyk.md').read_text()

@@ -253,3 +253,22 @@ def test_per_loop_rmsnorm_default_shows_growing_loop_norms(tmp_path):
     assert last['norm'][-1] > first['norm'][-1]                 # grows with training
     assert all(a < b for a, b in zip(last['norm'], last['norm'][1:]))  # and with depth
     assert last['val_loss'] < first['val_loss']
+
+
+def test_log_kappa_writes_the_visit_alignment_at_every_eval_and_only_when_asked(tmp_path):
+    # docs/papers.md §2: kappa_R = ||sum_r G_r||^2 / sum_r ||G_r||^2 lies in [0, R]; it is R only if every
+    # visit pushes a shared matrix the same way, which distinct visits of a random model do not; one visit: 1
+    write_data(tmp_path)
+    for R in (3, 1):
+        code, out, err = run_train([*TINY, f'--n_loop={R}', '--max_iters=2', '--eval_interval=1',
+                                    '--log_kappa=True', f'--out_dir=R{R}'], tmp_path)
+        assert code == 0, err
+        assert 'kappa_R' in out
+    rows = read_metrics(tmp_path / 'R3' / 'metrics.jsonl')
+    assert [r['iter'] for r in rows] == [0, 1, 2]
+    assert all(0 < r['kappa'] < 3 for r in rows), [r['kappa'] for r in rows]
+    assert all(r['kappa'] == pytest.approx(1.0) for r in read_metrics(tmp_path / 'R1' / 'metrics.jsonl'))
+    code, out, err = run_train([*TINY, '--max_iters=1', '--eval_interval=1', '--out_dir=off'], tmp_path)
+    assert code == 0, err
+    assert 'kappa_R' not in out
+    assert all('kappa' not in r for r in read_metrics(tmp_path / 'off' / 'metrics.jsonl'))
