@@ -708,7 +708,7 @@ def plot_exit_ce(plt, arms, report_dir, prefix):
 # -----------------------------------------------------------------------------
 # the recurrent-depth report: test-time depth, scale over training, halting by margin / KL / gate
 
-def test_depth_row(name, runs):
+def extrapolation_row(name, runs):
     d = depths(runs)
     if not d:
         return f"| {name} | n/a |" + " n/a |" * (len(TEST_LOOPS) + 1)
@@ -735,7 +735,7 @@ def recurrent_report(arms, header, report_dir, prefix):
         "### Test-time depth: val CE (eval_depth, fixed depth) at loops "
         + ", ".join(map(str, TEST_LOOPS)), "",
         "| arm | trained loops | " + " | ".join(f"CE @ {n}" for n in TEST_LOOPS) + " | best loop |",
-        "|---|---|" + "---|" * (len(TEST_LOOPS) + 1)] + [test_depth_row(n, r) for n, r in arms.items()]
+        "|---|---|" + "---|" * (len(TEST_LOOPS) + 1)] + [extrapolation_row(n, r) for n, r in arms.items()]
     lines += [""] + scale_table(arms) + ["", "### Calibrated halting (held-out half): average loops / PPL "
               "relative to fixed depth R, per exit policy", "",
               "| arm | " + " | ".join(HALT_POLICIES) + " |", "|---|" + "---|" * len(HALT_POLICIES)]

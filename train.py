@@ -569,10 +569,10 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         if iter_num >= max_iters or eval_only:
             break
 
-        # forward and backward over the micro-batches; the loss is divided by their number so the gradients
-        # add up to the mean over micro-batches, and DDP averages over ranks: the mean over the global batch
         # this step's loop count: n_loop, or a draw when loop_sampling is on (docs/papers.md §4)
         R = raw_model.draw_n_loop(depth_gen)
+        # forward and backward over the micro-batches; the loss is divided by their number so the gradients
+        # add up to the mean over micro-batches, and DDP averages over ranks: the mean over the global batch
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(micro_steps):
             X, Y = get_batch('train', train_gen)
@@ -591,9 +591,8 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         # signal, so every rank takes the same decisions. Under fp16 an inf gradient with a finite loss is
         # the GradScaler's business (it skips the step and lowers the scale), not a bad step.
         # R and R^2 ride along: their sums equal world_size * R and world_size * R^2 only if every rank drew R
-        flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm)).float(),
-                             torch.tensor(float(stop_signal is not None), device=device)]
-                            + [torch.tensor(float(R ** i), device=device) for i in (1, 2)])
+        flags = torch.cat([torch.stack([loss_sum, (~torch.isfinite(grad_norm)).float()]),
+                           torch.tensor([float(stop_signal is not None), R, R * R], device=device)])
         if ddp:
             dist.all_reduce(flags)
         lossf, grad_bad, stop, r_sum, r2_sum = flags.tolist()
