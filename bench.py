@@ -25,8 +25,9 @@ Rows and their targets:
   9 bf16          nanoloop's bf16-autocast step vs its fp32 step (>= 1.7 where the CPU has bf16 units)
  10 MFU by dtype  the default model's step against the ceiling of the dtype it runs in              >= 60%
  11 attention     the default model's step with every attention path, per dtype: is 'auto' the fastest?
+ 12 profile       where the default step goes, per dtype: torch.profiler's self CPU time by op     report
 A "training step" in rows 1-7 is forward + backward (the optimizer update is left out: it is per parameter,
-and a looped model has R times fewer parameters, which would flatter row 1); rows 8-11 time train.py's step
+and a looped model has R times fewer parameters, which would flatter row 1); rows 8-12 time train.py's step
 as it runs (forward, backward, AdamW).
 """
 
@@ -68,7 +69,7 @@ SIZES = {
         # decoding: train.py's default model (shakespeare_char). At GPT-2's vocabulary a d=128 model's head is
         # 3x its layers, and both modes spend most of a token in the head (3.6x measured on 2026-11-30)
         decode=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, prompt=16, new_tokens=512, vocab_size=65),
-        # rows 8-11: train.py's default run (GPTConfig() and its batch of 8 x 64), timed in blocks of steps
+        # rows 8-12: train.py's default run (GPTConfig() and its batch of 8 x 64), timed in blocks of steps
         default=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, batch_size=8, block_size=64, vocab_size=65),
         matmul=(512, 1024, 2048), repeats=7, warmup=2, decode_repeats=2, block_steps=5),
     'gpu': dict(
@@ -97,6 +98,7 @@ class Run:
     compiled_s: float = None  # row 6's compiled step time, for row 7 (None when not compiled)
     ceilings: dict = None     # matmul ceiling per dtype, measured once (rows 7 and 10)
     default_s: dict = None    # row 8's nanoloop step seconds per dtype, for rows 9 and 10
+    default_compiled_s: dict = None  # row 6's compiled step seconds of the default run per dtype (CPU)
 
 
 # -----------------------------------------------------------------------------
@@ -477,24 +479,31 @@ def row_compile(run):
 def compile_default(run):
     """train.py's default run compiled (--compile=True), per dtype: the seconds its first step takes (the
     compilation), then the eager / compiled step time, AdamW included, and the steps after which the
-    compilation has paid for itself."""
+    compilation has paid for itself. The plain model of row 8 is compiled too: does nanoloop's lead over
+    it survive compilation, which fuses the small ops that the lead comes from?"""
     out = {}
     for dtype in DTYPES:
         torch._dynamo.reset()
         model, opt, (X, Y) = default_model(run)
-        compiled = torch.compile(model)
+        plain = PlainLoopedGPT(model).to(run.device)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01)
+        compiled, compiled_plain = torch.compile(model), torch.compile(plain)
         t0 = time.perf_counter()
         optimizer_steps(compiled, opt, X, Y, run.device, dtype, 1)()
         sync(run.device)
         first = time.perf_counter() - t0
+        optimizer_steps(compiled_plain, plain_opt, X, Y, run.device, dtype, 1)()
         n = run.size['block_steps']
-        steps = {f'eager_{dtype}': optimizer_steps(model, opt, X, Y, run.device, dtype, n),
-                 f'compiled_{dtype}': optimizer_steps(compiled, opt, X, Y, run.device, dtype, n)}
+        steps = {'eager': optimizer_steps(model, opt, X, Y, run.device, dtype, n),
+                 'compiled': optimizer_steps(compiled, opt, X, Y, run.device, dtype, n),
+                 'plain_compiled': optimizer_steps(compiled_plain, plain_opt, X, Y, run.device, dtype, n)}
         t = {k: v / n for k, v in side_by_side(steps, run.device, run.warmup, run.repeats).items()}
-        eager, comp = t[f'eager_{dtype}'], t[f'compiled_{dtype}']
+        eager, comp = t['eager'], t['compiled']
         out[dtype] = dict(compile_s=first - comp, ratio=eager / comp, eager_s=eager, compiled_s=comp,
-                          pays_after_steps=(first - comp) / (eager - comp) if eager > comp else None)
+                          pays_after_steps=(first - comp) / (eager - comp) if eager > comp else None,
+                          plain_compiled_s=t['plain_compiled'], vs_plain_compiled=t['plain_compiled'] / comp)
     torch._dynamo.reset()
+    run.default_compiled_s = {dtype: c['compiled_s'] for dtype, c in out.items()}
     return out
 
 
@@ -524,7 +533,7 @@ def row_mfu(run):
 
 
 # -----------------------------------------------------------------------------
-# rows 8-11: train.py's default run, against the same model written plainly
+# rows 8-12: train.py's default run, against the same model written plainly
 
 class PlainBlock(nn.Module):
     """A pre-norm block as one writes it from the textbook: fused qkv, explicit attention under a causal
@@ -663,6 +672,8 @@ def row_mfu_dtype(run):
     for dtype in DTYPES:
         out[f'mfu_{dtype}'] = flops / t[f'nanoloop_{dtype}'] / best[dtype]['flops']
         out[f'plain_mfu_{dtype}'] = flops / t[f'plain_{dtype}'] / best[dtype]['flops']
+        if run.default_compiled_s:  # row 6 compiled the default run (--compile on a CPU)
+            out[f'compiled_mfu_{dtype}'] = flops / run.default_compiled_s[dtype] / best[dtype]['flops']
     out['auto_dtype'] = auto_dtype(run.device.type)[0]
     mfu = out.get(f"mfu_{out['auto_dtype']}")
     out['met'] = None if mfu is None else mfu >= 0.6
@@ -690,11 +701,41 @@ def row_attention(run):
     return {'attention': out}
 
 
+PROFILE_OPS = 12  # ops kept per dtype in row 12, by self time
+
+
+def row_profile(run):
+    """Where the default step goes: torch.profiler's self CPU time per step, by aten op, per dtype (the
+    README's profile table). The profiler adds a few microseconds to every op, so its step is slower than
+    row 8's; the shares are what to read."""
+    if run.device.type != 'cpu':
+        return {'profile': dict(target='report', skipped='CPU only (CPU-side op times say little on a GPU)')}
+    from torch.profiler import ProfilerActivity, profile
+    out = dict(target='report', config=dict(run.size['default']))
+    for dtype in DTYPES:
+        model, opt, (X, Y) = default_model(run)
+        step = optimizer_steps(model, opt, X, Y, run.device, dtype, 1)
+        for _ in range(run.warmup + 1):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(run.repeats):
+                step()
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ops)  # microseconds over all profiled steps
+        per_step = lambda us: us / run.repeats / 1e3      # -> ms per step
+        top = [dict(op=e.key, ms=per_step(e.self_cpu_time_total), calls=e.count // run.repeats,
+                    share=e.self_cpu_time_total / total) for e in ops[:PROFILE_OPS]]
+        calls = sum(e.count for e in ops) // run.repeats
+        out[dtype] = dict(step_ms=per_step(total), ops_per_step=calls, top=top)
+    return {'profile': out}
+
+
 # (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model,
 # rows 9 and 10 row 8's step times
 MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), ('step_time', row_step_time),
                 ('kv_cache', row_decode), ('compile', row_compile), ('mfu', row_mfu), ('vs_plain', row_plain),
-                ('bf16', row_bf16), ('mfu_dtype', row_mfu_dtype), ('attention', row_attention))
+                ('bf16', row_bf16), ('mfu_dtype', row_mfu_dtype), ('attention', row_attention),
+                ('profile', row_profile))
 
 
 # -----------------------------------------------------------------------------
@@ -742,7 +783,7 @@ def cells_compile(row):
     for dtype, c in (row.get('default_config') or {}).items():
         pays = f"{c['pays_after_steps']:,.0f} steps" if c['pays_after_steps'] else 'never'
         cells.append(f"(default run, {SHORT[dtype]}: {c['ratio']:.2f}x after a {c['compile_s']:.0f}s "
-                     f"compile; pays after {pays})")
+                     f"compile; pays after {pays}; {c['vs_plain_compiled']:.2f}x the compiled plain model)")
     return cells
 
 
@@ -778,7 +819,8 @@ def cells_bf16(row):
 
 def cells_mfu_dtype(row):
     return [(f"MFU, {SHORT[d]} step vs {SHORT[d]} matmul {row['ceilings'][d]['flops'] / 1e9:,.0f} GFLOP/s",
-             f"{row[f'mfu_{d}'] * 100:.1f}% (plain {row[f'plain_mfu_{d}'] * 100:.1f}%)",
+             f"{row[f'mfu_{d}'] * 100:.1f}% (plain {row[f'plain_mfu_{d}'] * 100:.1f}%)"
+             + (f"; compiled {row[f'compiled_mfu_{d}'] * 100:.1f}%" if f'compiled_mfu_{d}' in row else ''),
              '>= 60%' + (' (the dtype of auto)' if d == row['auto_dtype'] else ''),
              row['met'] if d == row['auto_dtype'] else None) for d in DTYPES]
 
@@ -789,10 +831,19 @@ def cells_attention(row):
              row[f'auto_vs_fastest_{d}'] <= 1.05) for i, d in enumerate(DTYPES)]
 
 
+def cells_profile(row):
+    if row.get('skipped'):
+        return [('where the default step goes', 'skipped', 'report', None)]
+    short = lambda op: op.replace('aten::', '')
+    return [(f"{SHORT[d]} step, profiled: {row[d]['step_ms']:.0f} ms in {row[d]['ops_per_step']:,} ops",
+             ', '.join(f"{short(o['op'])} {o['share'] * 100:.0f}%" for o in row[d]['top'][:3]),
+             'report', None) for d in DTYPES]
+
+
 TABLE = (('untied_vs_looped', cells_untied), ('peak_memory', cells_memory), ('step_time', cells_step_time),
          ('kv_cache', cells_kv_cache), ('adaptive_exit', cells_adaptive), ('compile', cells_compile),
          ('mfu', cells_mfu), ('vs_plain', cells_plain), ('bf16', cells_bf16), ('mfu_dtype', cells_mfu_dtype),
-         ('attention', cells_attention))
+         ('attention', cells_attention), ('profile', cells_profile))
 
 
 def table_line(i, what, value, target, met):

@@ -14,7 +14,7 @@ import torch
 import bench
 
 ROWS = ('untied_vs_looped', 'peak_memory', 'step_time', 'kv_cache', 'adaptive_exit', 'compile', 'mfu',
-        'vs_plain', 'bf16', 'mfu_dtype', 'attention')
+        'vs_plain', 'bf16', 'mfu_dtype', 'attention', 'profile')
 
 
 @pytest.fixture(scope='module')
@@ -36,7 +36,7 @@ def test_bench_writes_json_with_every_row(tiny_run):
         assert key in saved['machine']
     for key in ('size', 'repeats', 'warmup', 'timer', 'samples', 'seconds'):
         assert key in saved
-    assert saved['table'].count('\n') >= 12  # header, column names, 11 rows (+ notes)
+    assert saved['table'].count('\n') >= 13  # header, column names, 12 rows (+ notes)
     assert saved['machine']['cpu_bf16'] in (None, 'AMX-BF16', 'AVX512-BF16')
     assert 'not measured' not in saved['table']
 
@@ -69,6 +69,19 @@ def test_dtype_rows_report_both_dtypes_against_their_own_ceilings(tiny_run):
     # row 7 measures against the ceiling of the dtype its step ran in (fp32 on a CPU)
     assert rows['mfu']['matmul_dtype'] == 'float32'
     assert rows['mfu']['matmul_flops'] == rows['mfu_dtype']['ceilings']['float32']['flops']
+
+
+def test_profile_row_splits_one_step_by_op(tiny_run):
+    # row 12: the top ops of the default step per dtype, by self time; the shares are of the whole step
+    prof = tiny_run[0]['rows']['profile']
+    for dtype in bench.DTYPES:
+        top = prof[dtype]['top']
+        shares = [op['share'] for op in top]
+        assert len(top) == bench.PROFILE_OPS and shares == sorted(shares, reverse=True)
+        assert all(s > 0 for s in shares) and sum(shares) <= 1 + 1e-9
+        assert sum(op['ms'] for op in top) <= prof[dtype]['step_ms'] * (1 + 1e-9)
+        assert prof[dtype]['ops_per_step'] >= sum(op['calls'] for op in top)
+        assert any(op['op'] in ('aten::mm', 'aten::addmm') for op in top)  # the matmuls are seen
 
 
 def test_plain_model_is_the_default_model_written_plainly():
