@@ -827,8 +827,9 @@ def escaped(run, floor):
     return v is not None and floor is not None and math.isfinite(v) and v < floor - ESCAPE_MARGIN
 
 
-def runs_of(runs, variant, R, lr):
-    return [r for r in runs if r['arm']['tags'] == dict(variant=variant, R=R, lr=lr)]
+def runs_of(runs, **tags):
+    # the runs of one cell of a report: those whose arm carries every given tag, e.g. variant=v, R=4
+    return [r for r in runs if all(r['arm']['tags'].get(k) == v for k, v in tags.items())]
 
 
 def loss_cell(rs, floor):
@@ -844,7 +845,7 @@ def loss_table(runs, variants, Rs, lrs, floor):
              "| variant | " + " | ".join(f"R={R}, lr={lr:g}" for lr in lrs for R in Rs) + " |",
              "|---|" + "---|" * (len(Rs) * len(lrs))]
     for v in variants:
-        cells = [loss_cell(runs_of(runs, v, R, lr), floor) for lr in lrs for R in Rs]
+        cells = [loss_cell(runs_of(runs, variant=v, R=R, lr=lr), floor) for lr in lrs for R in Rs]
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -857,7 +858,7 @@ def plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix):
         for j, R in enumerate(Rs):
             ax = axes[i][j]
             for c, v in enumerate(variants):
-                for s, r in enumerate(runs_of(runs, v, R, lr)):
+                for s, r in enumerate(runs_of(runs, variant=v, R=R, lr=lr)):
                     if r['rows']:
                         ax.plot([x['iter'] for x in r['rows']], [x['val_loss'] for x in r['rows']],
                                 color=plt.cm.tab10(c), lw=1.1, ls='-' if s == 0 else '--',
@@ -928,7 +929,7 @@ def kappa_steps(runs, n=4):
 
 
 def kappa_table(runs, variants, Rs, steps):
-    by = {(v, R): [r for r in runs if r['arm']['tags'] == dict(variant=v, R=R)] for v in variants for R in Rs}
+    by = {(v, R): runs_of(runs, variant=v, R=R) for v in variants for R in Rs}
     lines = ["kappa_R (mean over the shared matrices, one fixed training batch; R when the visits' gradients "
              "align, 1 when orthogonal), and gamma of kappa_R ~ c R^gamma fitted on log-log by least squares "
              "over R >= 2 (kappa_1 = 1 by definition) and over all R:", "",
@@ -949,7 +950,7 @@ def final_loss_table(runs, variants, Rs, floor):
     lines = ["Final val loss (exit R) per seed, and escaped runs / seeds (unigram floor rule):", "",
              "| variant | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]
     for v in variants:
-        cells = [loss_cell([r for r in runs if r['arm']['tags'] == dict(variant=v, R=R)], floor) for R in Rs]
+        cells = [loss_cell(runs_of(runs, variant=v, R=R), floor) for R in Rs]
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -959,7 +960,7 @@ def plot_kappa(plt, runs, variants, Rs, report_dir, prefix):
     fig, axes = plt.subplots(1, len(variants), figsize=(3.4 * len(variants), 3.2), sharey=True, squeeze=False)
     for ax, v in zip(axes[0], variants):
         for c, R in enumerate(Rs):
-            for s, r in enumerate([r for r in runs if r['arm']['tags'] == dict(variant=v, R=R)]):
+            for s, r in enumerate(runs_of(runs, variant=v, R=R)):
                 pts = kappa_series(r)
                 if pts:
                     ax.plot(*zip(*pts), color=plt.cm.viridis(c / max(1, len(Rs) - 1)), lw=1.2,
@@ -980,9 +981,9 @@ def plot_gamma(plt, runs, variants, Rs, report_dir, prefix):
     """gamma (fit over R >= 2) at every eval step, one line per variant; 0 and 1 dotted."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for c, v in enumerate(variants):
-        vruns = [r for r in runs if r['arm']['tags']['variant'] == v]
+        vruns = runs_of(runs, variant=v)
         steps = sorted({it for r in vruns for it, _ in kappa_series(r)})
-        gammas = [fit_gamma(Rs, [kappa_at([r for r in vruns if r['arm']['tags']['R'] == R], it) for R in Rs])
+        gammas = [fit_gamma(Rs, [kappa_at(runs_of(vruns, R=R), it) for R in Rs])
                   for it in steps]
         ax.plot(steps, [np.nan if g is None else g for g in gammas], 'o-', ms=2.5, lw=1.2,
                 color=plt.cm.tab10(c), label=v)
@@ -1021,8 +1022,7 @@ def kappa_report(arms, header, report_dir, prefix, floor):
 
 def lr_losses(runs, eps, R, lr):
     """Final val losses of the finished seeds of one cell (nan where a run diverged)."""
-    return [final_loss(r) for r in runs if r['arm']['tags'] == dict(eps=eps, R=R, lr=lr)
-            and final_loss(r) is not None]
+    return [final_loss(r) for r in runs_of(runs, eps=eps, R=R, lr=lr) if final_loss(r) is not None]
 
 
 def lr_mean(runs, eps, R, lr):
@@ -1087,7 +1087,7 @@ def escape_table(runs, ps, floor):
     lines = ["| p | escaped here | final val loss per seed | paper (GPT-2 small, R = 3, ~2,700 steps) |",
              "|---|---|---|---|"]
     for p in ps:
-        rs = [r for r in runs if r['arm']['tags']['p'] == p]
+        rs = runs_of(runs, p=p)
         vals = ' / '.join('failed' if r['status'].get('train') == 'failed' else fmt(final_loss(r), '.3f')
                           for r in rs)
         lines.append(f"| {p:g} | {sum(escaped(r, floor) for r in rs)}/{len(rs)} | {vals} | "
@@ -1099,7 +1099,7 @@ def plot_escape(plt, runs, ps, floor, report_dir, prefix):
     """Val loss vs step, one color per p (every seed drawn), the unigram floor dotted."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for c, p in enumerate(ps):
-        for s, r in enumerate([r for r in runs if r['arm']['tags']['p'] == p]):
+        for s, r in enumerate(runs_of(runs, p=p)):
             if r['rows']:
                 ax.plot([x['iter'] for x in r['rows']], [x['val_loss'] for x in r['rows']], lw=1,
                         color=plt.cm.plasma(c / max(1, len(ps) - 1)), label=f'p={p:g}' if s == 0 else None)

@@ -485,8 +485,7 @@ def compile_default(run):
     for dtype in DTYPES:
         torch._dynamo.reset()
         model, opt, (X, Y) = default_model(run)
-        plain = PlainLoopedGPT(model).to(run.device)
-        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01)
+        plain, plain_opt = plain_model(model, run.device)
         compiled, compiled_plain = torch.compile(model), torch.compile(plain)
         t0 = time.perf_counter()
         optimizer_steps(compiled, opt, X, Y, run.device, dtype, 1)()
@@ -626,10 +625,16 @@ def default_model(run, **kw):
     return model, opt, batch(spec, run.device)
 
 
+def plain_model(model, device):
+    """Row 8's yardstick: model written plainly (same weights), with torch's AdamW at default_model's
+    hyperparameters."""
+    plain = PlainLoopedGPT(model).to(device)
+    return plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01)
+
+
 def row_plain(run):
     model, opt, (X, Y) = default_model(run)
-    plain = PlainLoopedGPT(model).to(run.device)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01)
+    plain, plain_opt = plain_model(model, run.device)
     n = run.size['block_steps']
     steps = {}
     for dtype in DTYPES:

@@ -36,11 +36,10 @@ from torch.nn import functional as F
 import checkpoint
 from errors import Parser, die
 from model import EXIT_POLICIES, exit_score
-
-TIMED_POLICIES = ('maxprob', 'margin', 'entropy')  # depth_pass drops exited rows: stateless scores only
 from prepare import load_meta
 
 CLAMPS = ('none', 'radial', 'freeze')
+TIMED_POLICIES = ('maxprob', 'margin', 'entropy')  # depth_pass drops exited rows: stateless scores only
 
 # -----------------------------------------------------------------------------
 # the radial clamp: the loop states with each loop's radial growth taken out (docs/papers.md §1)
@@ -393,8 +392,7 @@ def print_report(res, title):
     fx = res['fixed']
     print(title)
     print(f"fixed depth on {res['n_seqs']} val windows x {res['seq_len']} tokens (exits "
-          f"{R + 1}..{len(fx['exit'])}: "
-          f"more loops than trained)")
+          f"{R + 1}..{len(fx['exit'])}: more loops than trained)")
     print(row('exit k', fx['exit'], 'd'))
     print(row('val CE', fx['ce'], '.4f'))
     print(row('val PPL', fx['ppl'], '.3f'))

@@ -266,9 +266,6 @@ class CausalSelfAttention(nn.Module):
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
         return q, k, v
 
-    def kv(self, x, rope, cache, pos):
-        return self.qkv(x, rope, cache, pos)[1:]
-
     def forward(self, x, rope=None, cache=None, pos=0):
         B, T, C = x.size()
         q, k, v = self.qkv(x, rope, cache, pos)
@@ -509,6 +506,14 @@ class GPT(nn.Module):
         # the readout norm; a raw readout has none
         ln_out = nn.Identity() if config.readout == 'raw' else make_norm(
             'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C)
+        # the inter-loop norm (scale-removing recurrence, docs/papers.md §1); identity unless configured;
+        # 'readout' feeds the readout norm's output back into the next loop (Ouro, §4)
+        if config.inter_loop_norm == 'readout':
+            ln_loop = ln_out
+        elif config.inter_loop_norm == 'none':
+            ln_loop = nn.Identity()
+        else:
+            ln_loop = make_norm(config.inter_loop_norm, C)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, C),
             wpe=nn.Embedding(config.block_size, C) if config.pos == 'learned' else nn.Identity(),
@@ -518,10 +523,7 @@ class GPT(nn.Module):
             prelude=nn.ModuleList([Block(config) for _ in range(config.n_prelude)]),  # untied, run once (§4)
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),  # the K shared layers
             coda=nn.ModuleList([Block(config) for _ in range(config.n_coda)]),  # untied, after every exit
-            # the inter-loop norm (scale-removing recurrence, docs/papers.md §1); identity unless configured;
-            # 'readout' feeds the readout norm's output back into the next loop (Ouro, §4)
-            ln_loop=ln_out if config.inter_loop_norm == 'readout' else nn.Identity()
-            if config.inter_loop_norm == 'none' else make_norm(config.inter_loop_norm, C),
+            ln_loop=ln_loop,
             ln_out=ln_out,
         ))
         if config.injection == 'concat':

@@ -581,7 +581,7 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
     x = m.states(idx[:, :5], n_loop=1)[0][:, -1:]  # the new token's state after loop 1
     for k in (2, 3):
         for j, block in enumerate(m.transformer.h):
-            kk, vv = block.attn.kv(block.ln_1(x), None, None, 0)
+            _, kk, vv = block.attn.qkv(block.ln_1(x), None, None, 0)
             slot = cache["loop"][(k - 1) * K + j]
             assert torch.allclose(slot[0][:, :, 4:5], kk, atol=1e-5)
             assert torch.allclose(slot[1][:, :, 4:5], vv, atol=1e-5)
