@@ -50,7 +50,8 @@ import torch
 import configurator
 from configurator import gpt_config, model_keys
 from errors import Parser, die, duration
-from model import GPT, GPTConfig, auto_dtype
+from hardware import auto_dtype
+from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 

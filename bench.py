@@ -19,7 +19,7 @@ Rows and their targets:
   6 compile       torch.compile vs eager training step; graph breaks of the looped forward       0 breaks
                   (CPU: also train.py's default run per dtype: compile seconds and when it pays)
   7 MFU           model flops / s of the looped step against the matmul ceiling of its dtype (best of
-                  several sizes and repeats, measured here; CUDA: also model.peak_flops of the device)
+                  several sizes and repeats, measured here; CUDA: also hardware.peak_flops of the device)
   8 vs plain      train.py's default model, nanoloop vs PlainLoopedGPT (the same model written plainly:
                   explicit attention, full-logit CE per exit), tok/s at fp32 and at bf16 autocast    >= 1.2
   9 bf16          nanoloop's bf16-autocast step vs its fp32 step (>= 1.7 where the CPU has bf16 units)
@@ -52,8 +52,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from errors import Parser, die
-from model import (GPT, GPTConfig, LinearCrossEntropy, attention_path, auto_dtype, cpu_bf16_units,
-                   exit_score, peak_flops)
+from hardware import attention_path, auto_dtype, cpu_bf16_units, peak_flops
+from model import GPT, GPTConfig, LinearCrossEntropy, exit_score
 
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
 SIZES = {

@@ -45,7 +45,8 @@ import checkpoint
 import configurator
 from errors import die, duration, first_line
 from eval_depth import visit_alignment
-from model import GPT, GPTConfig, auto_dtype
+from hardware import auto_dtype
+from model import GPT, GPTConfig
 from prepare import open_data
 
 # -----------------------------------------------------------------------------
@@ -93,7 +94,7 @@ collective_timeout = 600         # DDP: seconds a collective waits for a dead or
 # system
 device = 'auto'                  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
 dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 on CUDA (fp16 without bf16) and
-                                 # on CPUs with bf16 units, else fp32 (model.auto_dtype)
+                                 # on CPUs with bf16 units, else fp32 (hardware.auto_dtype)
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337
 # -----------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import (GPT, GPTConfig, THRESHOLD_RANGES, LinearCrossEntropy, attention, attention_path,
-                   auto_dtype, peak_flops)
+from hardware import attention_path, auto_dtype, peak_flops
+from model import GPT, GPTConfig, THRESHOLD_RANGES, LinearCrossEntropy, attention
 
 V, T = 48, 16
 
@@ -350,10 +350,10 @@ def test_auto_attention_is_explicit_only_for_short_low_precision_cpu_attention()
 
 
 def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_bf16_units(monkeypatch):
-    import model
-    monkeypatch.setattr(model, 'cpu_bf16_units', lambda: None)
+    import hardware
+    monkeypatch.setattr(hardware, 'cpu_bf16_units', lambda: None)
     assert auto_dtype('cpu') == ('float32', 'no bf16 units on this CPU')
-    monkeypatch.setattr(model, 'cpu_bf16_units', lambda: 'AVX512-BF16')
+    monkeypatch.setattr(hardware, 'cpu_bf16_units', lambda: 'AVX512-BF16')
     assert auto_dtype('cpu') == ('bfloat16', 'the CPU has AVX512-BF16')
     assert auto_dtype('mps')[0] == 'float32'
 

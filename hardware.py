@@ -1,0 +1,70 @@
+"""
+Hardware policy: what this machine can run fast, decided in one place, outside the model.
+
+    auto_dtype(device_type)     what dtype='auto' trains in, and why (bf16 where the hardware has it)
+    cpu_bf16_units()            the CPU's native bf16 matrix instructions, or None
+    peak_flops(device_name)     a GPU's bf16 datasheet peak, for MFU
+    attention_path(...)         the attention kernel attn_impl='auto' stands for
+
+Every choice here changes speed only, never the model's result (the tests check that every attention path
+computes the same thing).
+"""
+import torch
+
+
+# the longest key length at which explicit attention beat the CPU flash kernel in bf16 (measured forward +
+# backward on an AVX-512 BF16 EPYC, head sizes 32 and 64: explicit 1.2-5.3x faster at T = 64..512, flash
+# 1.25-1.7x faster at T = 1024)
+EXPLICIT_MAX_T = 512
+
+
+def attention_path(impl, device_type, dtype, Tk):
+    """The attention kernel 'auto' stands for, picked by measurement (README, Performance): the flash kernel
+    of F.scaled_dot_product_attention wherever it won (GPUs; fp32 on CPUs: level at T = 64, up to 3x ahead
+    at T = 1024), explicit attention for bf16/fp16 on CPUs up to EXPLICIT_MAX_T keys, where the CPU flash
+    kernel loses. fp16 on CPUs is not measured and follows bf16."""
+    if impl != 'auto':
+        return impl
+    low = dtype in (torch.bfloat16, torch.float16)
+    return 'explicit' if device_type == 'cpu' and low and Tk <= EXPLICIT_MAX_T else 'sdpa'
+
+
+# bf16 dense peak FLOP/s by device name (datasheet numbers, no sparsity), for MFU
+PEAK_FLOPS = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L40S': 362e12, 'L4': 121e12,
+              'A10': 125e12, 'RTX 4090': 165e12, 'RTX 3090': 71e12, 'V100': 125e12, 'T4': 65e12}
+
+
+def peak_flops(device_name):
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in str(device_name).lower():
+            return flops
+    return None
+
+
+def cpu_bf16_units():
+    """The CPU's native bf16 matrix instructions ('AMX-BF16' or 'AVX512-BF16'), or None. Without them bf16
+    matmuls on a CPU are emulated (converted to fp32), and bf16 autocast buys little or nothing."""
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            flags = next((line.split(':', 1)[1].split() for line in cpuinfo if line.startswith('flags')), [])
+    except OSError:
+        flags = []
+    probe = lambda name: getattr(torch.cpu, name, lambda: False)()  # private PyTorch checks, where present
+    if 'amx_bf16' in flags or probe('_is_amx_tile_supported'):
+        return 'AMX-BF16'
+    if 'avx512_bf16' in flags or probe('_is_avx512_bf16_supported'):
+        return 'AVX512-BF16'
+    return None
+
+
+def auto_dtype(device_type):
+    """What dtype='auto' trains in, with the reason: bf16 autocast on GPUs that have it (else fp16), and on
+    CPUs with bf16 units, where it measured 1.6-1.8x the fp32 step and kept the laptop blind-spot arms' CE
+    and norms (README, Performance); fp32 elsewhere."""
+    if device_type == 'cuda':
+        return ('bfloat16', 'the GPU has bf16') if torch.cuda.is_bf16_supported() else \
+            ('float16', 'the GPU lacks bf16')
+    units = cpu_bf16_units() if device_type == 'cpu' else None
+    if units:
+        return 'bfloat16', f'the CPU has {units}'
+    return 'float32', 'no bf16 units on this CPU' if device_type == 'cpu' else f'fp32 on {device_type}'
