@@ -53,7 +53,8 @@ from torch.nn import functional as F
 
 from errors import Parser, die
 from hardware import attention_path, auto_dtype, cpu_bf16_units, peak_flops
-from model import GPT, GPTConfig, LinearCrossEntropy, exit_score
+from engine import exit_score, generate
+from model import GPT, GPTConfig, LinearCrossEntropy
 
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
 SIZES = {
@@ -405,17 +406,17 @@ def time_decoding(run, model, prompt, n_new, threshold):
     def gen(use_cache, exit_threshold=None):
         def decode():
             torch.manual_seed(0)
-            model.generate(prompt, n_new, temperature=1.0, use_cache=use_cache, exit_threshold=exit_threshold,
-                           exit_policy=EXIT_POLICY)
+            return generate(model, prompt, n_new, temperature=1.0, use_cache=use_cache,
+                            exit_threshold=exit_threshold, exit_policy=EXIT_POLICY)
         return decode
     t = side_by_side({'cached': gen(True), 'adaptive': gen(True, threshold)}, run.device, 1,
                      min(3, run.repeats))
     # the uncached run costs ~n_new full forwards: fewer repeats for it
     t.update(side_by_side({'uncached': gen(False)}, run.device, 0,
                           min(run.size['decode_repeats'], run.repeats)))
-    gen(True, threshold)()
+    _, used = gen(True, threshold)()
     # the first new token comes off the full prompt pass, which runs all R loops: left out of the mean
-    return t, model.last_loops_used[:, 1:].float().mean().item()
+    return t, used[:, 1:].float().mean().item()
 
 
 def row_decode(run):

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 import checkpoint
 from errors import Parser, die
-from model import EXIT_POLICIES, exit_score
+from engine import EXIT_POLICIES, ExitScorer, exit_score
 from prepare import load_meta
 
 CLAMPS = ('none', 'radial', 'freeze')
@@ -65,19 +65,17 @@ def clamped_states(model, idx, n_loop=None, clamp='none'):
     per-token RMS. The clamped state is what is read out and what enters the next loop."""
     assert clamp in CLAMPS, f"clamp={clamp!r}: choose one of {', '.join(CLAMPS)}"
     R = model.config.n_loop if n_loop is None else n_loop
-    states, x_in = [], None
-
-    def clamped(k, h, carry):  # what enters loop k+1: the clamped h_k, through the model's own carry
-        nonlocal x_in
-        x_in = carry(states[-1])
-        return x_in
-
-    for k, h in model.loops(model.embed(idx), R, between=clamped):
+    x = e = model.untied('prelude', model.embed(idx))
+    states, loops, sent = [], model.loops(x, R), None
+    for k in range(1, R + 1):
+        _, h = loops.send(sent)
         if k > 1 and clamp == 'radial':
             h = remove_radial(h, x_in)
         elif k > 1 and clamp == 'freeze':
             h = rescale_rms(h, states[0])
         states.append(h)
+        if clamp != 'none':  # the clamped h_k enters loop k+1, through the model's own carry
+            x_in, sent = model.carry(h, e), (h, e)
     return states
 
 # -----------------------------------------------------------------------------
@@ -98,14 +96,14 @@ def policies(model):
 @torch.no_grad()
 def exit_stats(model, X, Y, n_loop, batch_size, clamp='none'):
     """Run every window through n_loop loops. Returns ce (N, n_loop) per-sequence CE at every exit,
-    scores {policy: (N, n_loop)} per-sequence mean exit score (model.exit_scorer; 'kl' is -inf at exit 1),
+    scores {policy: (N, n_loop)} per-sequence mean exit score (engine.ExitScorer; 'kl' is -inf at exit 1),
     norms (n_loop,) mean per-token ||h_k||."""
     ce, norms, scores = [], [], {p: [] for p in policies(model)}
     for i in range(0, X.size(0), batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
         states = clamped_states(model, idx, n_loop, clamp)
         c, s = [], {p: [] for p in scores}
-        scorers = {p: model.exit_scorer(p) for p in scores}
+        scorers = {p: ExitScorer(model, p) for p in scores}
         for k, h in enumerate(states, start=1):
             z = model.head_input(h, k)
             logits = model.lm_head(z)  # (B, T, V)
@@ -182,10 +180,11 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
     R = model.config.n_loop
     ce_sum, loops_sum = 0.0, 0
     for i in range(0, X.size(0), batch_size):
-        tgt, stay = Y[i:i + batch_size], None
-        # rows that exited leave the batch before the next loop
-        drop_exited = lambda k, h, carry: carry(h) if stay is None else carry(h[stay], rows=stay)
-        for k, h in model.loops(model.embed(X[i:i + batch_size]), R, between=drop_exited):
+        tgt = Y[i:i + batch_size]
+        x = e = model.untied('prelude', model.embed(X[i:i + batch_size]))
+        loops, sent = model.loops(x, R), None
+        for k in range(1, R + 1):
+            _, h = loops.send(sent)
             if threshold is None and k < R:
                 continue
             logits = model.readout(h, k)
@@ -194,9 +193,10 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
             if bool(out.any()):
                 ce_sum += float(seq_ce(logits[out], tgt[out]).sum())
                 loops_sum += k * int(out.sum())
-            stay, tgt = ~out, tgt[~out]
+            stay, tgt, e = ~out, tgt[~out], e[~out]
             if tgt.size(0) == 0:
                 break
+            sent = (h[stay], e)  # rows that exited leave the batch before the next loop
     return ce_sum, loops_sum
 
 

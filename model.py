@@ -11,20 +11,17 @@ The two papers this file implements (formulas and numbers in docs/papers.md):
    `readout`, `supervision`, `norm_penalty`, `inter_loop_norm`.
 2) DeepLoop (§2): post-norm blocks with alpha = (2N)^p on the skip path and an init-only gain
    beta = (8N)^-p; p = 1/4 is DeepNorm, p = 1/2 is DeepLoop. Knobs: `block`, `depth_scaling`.
-And the recurrent-depth family around them (§4, all off by default): untied prelude/coda blocks, the
+And the recurrent-depth family around them (§4, all off by default): untied prelude and coda blocks, the
 prelude output injected into every loop, a random loop count per training step with truncated backprop
-(Huginn), and a learned exit gate (Ouro). Knobs: `n_prelude`, `n_coda`, `injection`, `loop_sampling`,
-`max_loop`, `backprop_loops`, `exit_gate`, `exit_entropy`.
+(Huginn), and a learned exit gate (Ouro).
 
-Where to look: the loop is GPT.loops (written once: training, decoding, early exit and every diagnostic go
-through it), the readout GPT.readout, the loss GPT.loss / LinearCrossEntropy, the scaling rule
-GPTConfig.alpha / GPTConfig.beta, applied in Block and GPT._init_weights; the exits' scores exit_score /
-GPT.exit_scorer.
+Where to look: the loop is GPT.loops, the readout GPT.readout_norm, the loss GPT.loss, the scaling rule
+GPTConfig.alpha and GPTConfig.beta (used in Block and GPT._init_weights). Decoding (the KV cache and early
+exits) lives in engine.py.
 """
 
-import math
 import inspect
-from contextlib import nullcontext
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +47,18 @@ MODEL_CHOICES = dict(
     loop_sampling=('fixed', 'poisson_lognormal'),
     exit_gate=('none', 'learned'),
 )
+# the integer keys and their least value
+INT_KEYS = dict(block_size=1, vocab_size=1, n_layer=1, n_loop=1, n_head=1, n_embd=1,
+                n_prelude=0, n_coda=0, max_loop=0, backprop_loops=0)
 LOOP_SIGMA = 0.5  # sigma of the log-normal in loop_sampling='poisson_lognormal' (Huginn's 1/2, §4)
 # depth_scaling by name -> exponent p of alpha = (2N)^p, beta = (8N)^-p (docs/papers.md §2)
 DEPTH_EXPONENTS = {'none': 0.0, 'deepnorm': 0.25, 'deeploop': 0.5}
+
+
+def require(ok, msg):
+    # a config value this file cannot build: one line, in the terms the user typed
+    if not ok:
+        raise ValueError(msg)
 
 
 @dataclass
@@ -77,8 +83,8 @@ class GPTConfig:
     block: str = 'preln'           # preln | postln (DeepNorm) | sandwich (DeepLoop): see Block (§2)
     depth_scaling: object = 'none'  # none | deepnorm (p=1/4) | deeploop (p=1/2) | a number p (§2)
     loop_eps: float = 0.0          # lambda of the pre-norm branch multiplier lambda/(R sqrt K) (§3); 0 = off
-    attn_impl: str = 'auto'        # attention kernel: auto (measured pick, see attention_path) | sdpa | math
-                                   # | explicit; the same result, only speed differs (resume may change it)
+    attn_impl: str = 'auto'        # attention kernel: auto (see hardware.py) | sdpa | math | explicit; the
+                                   # same result, only speed differs (a resumed run may change it)
     # the recurrent-depth family (docs/papers.md §4); the defaults switch every piece off
     n_prelude: int = 0             # untied blocks before the loop; their output e is what injection re-feeds
     n_coda: int = 0                # untied blocks after every exit, before the readout (shared by all exits)
@@ -91,76 +97,47 @@ class GPTConfig:
 
     def __post_init__(self):
         for key, allowed in MODEL_CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}")
-        for key in ('block_size', 'vocab_size', 'n_layer', 'n_loop', 'n_head', 'n_embd'):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key}={value!r}: must be an integer >= 1")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.pos == 'rope' and (self.n_embd // self.n_head) % 2 != 0:
-            raise ValueError(f"pos='rope' needs an even head size, got n_embd/n_head = "
-                             f"{self.n_embd // self.n_head}")
-        for key in ('n_prelude', 'n_coda', 'max_loop', 'backprop_loops'):
+            require(value in allowed, f"{key}={value!r}: choose one of {', '.join(allowed)}")
+        for key, low in INT_KEYS.items():
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{key}={value!r}: must be an integer >= 0")
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                    f"{key}={value!r}: must be an integer >= {low}")
         for key in ('dropout', 'norm_penalty', 'loop_eps', 'exit_entropy'):
-            if not math.isfinite(getattr(self, key)):
-                raise ValueError(f"{key}={getattr(self, key)!r}: must be a finite number")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout!r}: must be in [0, 1)")
-        if self.norm_penalty < 0:
-            raise ValueError(f"norm_penalty={self.norm_penalty!r}: must be >= 0")
-        if self.loop_eps < 0:
-            raise ValueError(f"loop_eps={self.loop_eps!r}: must be >= 0 (0 = off)")
-        if self.loop_eps > 0 and self.block != 'preln':
-            raise ValueError("loop_eps scales pre-norm branches: it needs block='preln'")
+            value = getattr(self, key)
+            require(math.isfinite(value), f"{key}={value!r}: must be a finite number")
+        require(self.n_embd % self.n_head == 0,
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        require(self.pos != 'rope' or (self.n_embd // self.n_head) % 2 == 0,
+                f"pos='rope' needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}")
+        require(0.0 <= self.dropout < 1.0, f"dropout={self.dropout!r}: must be in [0, 1)")
+        require(self.norm_penalty >= 0, f"norm_penalty={self.norm_penalty!r}: must be >= 0")
+        require(self.loop_eps >= 0, f"loop_eps={self.loop_eps!r}: must be >= 0 (0 = off)")
+        require(self.loop_eps == 0 or self.block == 'preln',
+                "loop_eps scales pre-norm branches: it needs block='preln'")
         self.check_family()
-        self.depth_scaling = self.parse_depth_scaling(self.depth_scaling)
-        if self.depth_exponent > 0 and self.block == 'preln':
-            raise ValueError(f"depth_scaling={self.depth_scaling!r} scales post-norm skips: "
-                             f"use block='postln' or 'sandwich'")
+        self.depth_scaling = parse_depth_scaling(self.depth_scaling)
+        require(self.depth_exponent == 0 or self.block != 'preln', f"depth_scaling={self.depth_scaling!r} "
+                f"scales post-norm skips: use block='postln' or 'sandwich'")
 
     def check_family(self):
         # the keys of the recurrent-depth family that only make sense together
-        if self.max_loop and self.max_loop < self.n_loop:
-            raise ValueError(f"max_loop={self.max_loop} is below n_loop={self.n_loop}: the cap on the "
-                             f"sampled depth must be >= n_loop (or 0 = 4 x n_loop)")
-        if self.backprop_loops > self.loop_cap:
-            raise ValueError(f"backprop_loops={self.backprop_loops} exceeds max_loop={self.loop_cap}: no "
-                             f"step runs that many loops")
-        if self.exit_gate == 'learned' and self.supervision == 'terminal':
-            raise ValueError("exit_gate='learned' weights every exit's CE: it needs supervision='per_loop', "
-                             "not 'terminal'")
-        if self.exit_entropy != 0 and self.exit_gate != 'learned':
-            raise ValueError(f"exit_entropy={self.exit_entropy!r} is the learned gate's entropy bonus: set "
-                             f"exit_gate='learned' (or exit_entropy=0)")
-        if self.inter_loop_norm == 'readout' and self.readout not in ('rmsnorm', 'layernorm'):
-            raise ValueError(f"inter_loop_norm='readout' feeds the readout norm back: it needs "
-                             f"readout='rmsnorm' or 'layernorm', not {self.readout!r}")
-        if self.exit_entropy < 0:
-            raise ValueError(f"exit_entropy={self.exit_entropy!r}: must be >= 0")
+        require(not self.max_loop or self.max_loop >= self.n_loop, f"max_loop={self.max_loop} is below "
+                f"n_loop={self.n_loop}: the cap on the sampled depth must be >= n_loop (or 0 = 4 x n_loop)")
+        require(self.backprop_loops <= self.loop_cap, f"backprop_loops={self.backprop_loops} exceeds "
+                f"max_loop={self.loop_cap}: no step runs that many loops")
+        require(self.exit_gate != 'learned' or self.supervision != 'terminal', "exit_gate='learned' weights "
+                "every exit's CE: it needs supervision='per_loop', not 'terminal'")
+        require(self.exit_entropy == 0 or self.exit_gate == 'learned', f"exit_entropy={self.exit_entropy!r} "
+                f"is the learned gate's entropy bonus: set exit_gate='learned' (or exit_entropy=0)")
+        require(self.inter_loop_norm != 'readout' or self.readout in ('rmsnorm', 'layernorm'),
+                f"inter_loop_norm='readout' feeds the readout norm back: it needs readout='rmsnorm' or "
+                f"'layernorm', not {self.readout!r}")
+        require(self.exit_entropy >= 0, f"exit_entropy={self.exit_entropy!r}: must be >= 0")
 
     @property
     def loop_cap(self):
         return self.max_loop or 4 * self.n_loop  # the most loops a training step may draw
-
-    @staticmethod
-    def parse_depth_scaling(p):
-        # a name, or the exponent p itself (also as a string such as '0.3')
-        bad = ValueError(f"depth_scaling={p!r}: choose one of none, deepnorm, deeploop, or a number p >= 0")
-        if isinstance(p, str) and p not in DEPTH_EXPONENTS:
-            try:
-                p = float(p)
-            except ValueError:
-                raise bad from None
-        if isinstance(p, bool) or not isinstance(p, (str, int, float)):
-            raise bad
-        if not isinstance(p, str) and not 0 <= p < 10:
-            raise bad
-        return p
 
     # ---- the depth-scaling rule, in one place (docs/papers.md §2) ----
     @property
@@ -170,10 +147,9 @@ class GPTConfig:
 
     @property
     def n_unrolled(self):
-        # N counts unrolled blocks K*R (every visit of a shared layer is one more block of depth), the reading
-        # DeepLoop argues for; DeepNorm in an untied model would use N = K. The training R is used, also when
-        # n_loop is changed at inference time: alpha and beta are fixed when the model is built. Prelude and
-        # coda blocks add their depth.
+        # N counts unrolled blocks K*R: every visit of a shared layer is one more block of depth (DeepLoop's
+        # reading; DeepNorm in an untied model would use N = K). alpha and beta are fixed when the model is
+        # built, so the training R counts, also when n_loop changes at inference. Prelude and coda add depth.
         return self.n_prelude + self.n_layer * self.n_loop + self.n_coda
 
     @property
@@ -190,6 +166,19 @@ class GPTConfig:
         return self.loop_eps / (self.n_loop * math.sqrt(self.n_layer)) if self.loop_eps > 0 else 1.0
 
 
+def parse_depth_scaling(p):
+    # a name, or the exponent p itself (also as a string such as '0.3')
+    bad = f"depth_scaling={p!r}: choose one of none, deepnorm, deeploop, or a number p >= 0"
+    if isinstance(p, str) and p not in DEPTH_EXPONENTS:
+        try:
+            p = float(p)
+        except ValueError:
+            raise ValueError(bad) from None
+    require(not isinstance(p, bool) and isinstance(p, (str, int, float)), bad)
+    require(isinstance(p, str) or 0 <= p < 10, bad)
+    return p
+
+
 def make_norm(kind, n_embd):
     # RMSNorm with a learned gain and eps 1e-6 as in paper 1's code; LayerNorm without a bias (as the papers)
     return nn.RMSNorm(n_embd, eps=1e-6) if kind == 'rmsnorm' else nn.LayerNorm(n_embd, bias=False)
@@ -202,10 +191,10 @@ def apply_rope(x, cos, sin):
 
 
 def attention(q, k, v, causal, impl='auto', dropout_p=0.0):
-    """softmax(q k^T / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, nh, Tk, hs), by one of three
-    paths with the same result: 'sdpa' (F.scaled_dot_product_attention, flash where available), 'math' (its
-    reference kernel) or 'explicit' (two matmuls and a masked softmax). causal: the top-left aligned mask
-    of is_causal (query i sees keys 0..i), used for a prompt at position 0."""
+    """softmax(q k^T / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, nh, Tk, hs). Three paths give the
+    same result: 'sdpa' (F.scaled_dot_product_attention, flash where available), 'math' (its reference
+    kernel) and 'explicit' (two matmuls and a masked softmax); 'auto' picks the fastest one here. causal is
+    is_causal's top-left aligned mask (query i sees keys 0..i), right for a prompt at position 0."""
     impl = attention_path(impl, q.device.type, q.dtype, k.size(-2))
     if impl == 'sdpa':
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
@@ -234,29 +223,23 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
-    def heads(self, t, B, T):
-        return t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-
-    def qkv(self, x, rope, cache, pos):
-        """Queries, keys and values of x (B, T, C), each (B, nh, T, hs), from one matmul. With a cache, the
-        keys and values are written into this visit's slot and the whole history (positions 0..pos+T-1)
-        is returned."""
+    def qkv(self, x, rope=None):
+        # queries, keys and values of x (B, T, C) from one matmul, each (B, nh, T, hs)
         B, T, C = x.size()
-        q, k, v = (self.heads(t, B, T) for t in self.c_attn(x).split(C, dim=2))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is not None:
-            cache[0][:, :, pos:pos + T] = k
-            cache[1][:, :, pos:pos + T] = v
-            k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
         return q, k, v
 
-    def forward(self, x, rope=None, cache=None, pos=0):
+    def forward(self, x, rope=None, kv=None, pos=0):
         B, T, C = x.size()
-        q, k, v = self.qkv(x, rope, cache, pos)
-        # a prompt is only ever processed at pos 0, so is_causal (top-left aligned) is right; one new token
-        # attends to the whole cache
-        assert T == 1 or pos == 0, "multi-token steps are only supported at position 0"
+        q, k, v = self.qkv(x, rope)
+        if kv is not None:
+            # decoding (engine.py): this visit's keys and values join its cache slot, and the queries see
+            # the whole history 0..pos+T-1. A prompt starts at pos 0, so is_causal's mask is right for it
+            assert T == 1 or pos == 0, "multi-token steps are only supported at position 0"
+            k, v = kv.update(k, v, pos)
         y = attention(q, k, v, T > 1, self.attn_impl, self.attn_dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -283,18 +266,12 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(x))
 
 
-def times(c, t):
-    # c * t; t itself where c = 1 (alpha and eps of a plain pre-norm block): exact, and one pass over t fewer
-    # forward and backward
-    return t if c == 1.0 else c * t
-
-
 class Block(nn.Module):
-    """One residual layer; all three block types are the same line with different pieces switched in:
+    """One residual layer. The three block types are one formula with different pieces switched in:
         x <- post_norm( alpha * x + eps * f( pre_norm(x) ) )
-    preln:    pre_norm = Norm, post_norm = identity, alpha = 1     (x + f(Norm x); eps from loop_eps)
-    postln:   pre_norm = identity, post_norm = Norm                (DeepNorm: Norm(alpha x + f(x)))
-    sandwich: pre_norm = Norm, post_norm = Norm                    (DeepLoop: Norm(alpha x + f(Norm x)))
+    preln:    pre_norm = Norm, post_norm = identity, alpha = 1     (x + f(Norm x); eps from loop_eps, §3)
+    postln:   pre_norm = identity, post_norm = Norm                (DeepNorm: Norm(alpha x + f(x)), §2)
+    sandwich: pre_norm = Norm, post_norm = Norm                    (DeepLoop: Norm(alpha x + f(Norm x)), §2)
     """
 
     def __init__(self, config):
@@ -308,14 +285,10 @@ class Block(nn.Module):
         self.alpha = config.alpha       # docs/papers.md §2: alpha = (2N)^p on the skip path
         self.eps = config.branch_eps    # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
-    def forward(self, x, rope=None, cache=None, pos=0):
-        x = self.pn_1(times(self.alpha, x) + times(self.eps, self.attn(self.ln_1(x), rope, cache, pos)))
-        x = self.pn_2(times(self.alpha, x) + times(self.eps, self.mlp(self.ln_2(x))))
+    def forward(self, x, rope=None, kv=None, pos=0):
+        x = self.pn_1(self.alpha * x + self.eps * self.attn(self.ln_1(x), rope, kv, pos))
+        x = self.pn_2(self.alpha * x + self.eps * self.mlp(self.ln_2(x)))
         return x
-
-    def fill_cache(self, x, rope, cache, pos):
-        # the K/V this visit would write for input x, without running the rest of the block
-        self.attn.qkv(self.ln_1(x), rope, cache, pos)
 
 
 def ce_chunk_rows(V, device):
@@ -404,41 +377,6 @@ def exit_distribution(lam):
     before = torch.cat([torch.ones_like(lam[:1]), stay[:-1]])  # prod_{j<k}
     return torch.cat([lam[:-1] * before[:-1], before[-1:]])
 
-
-# exit policies: the three confidences of one exit's logits, the KL between successive exits (Huginn) and the
-# learned gate's cumulative exit probability (Ouro); GPT.exit_scorer scores them all
-EXIT_POLICIES = ('maxprob', 'margin', 'entropy', 'kl', 'gate')
-# the range of each policy's exit_threshold; kl's threshold is a KL bound (exit when KL <= it), the others
-# a score to reach
-THRESHOLD_RANGES = dict(maxprob=(0.0, 1.0), margin=(0.0, math.inf), entropy=(0.0, 1.0), kl=(0.0, math.inf),
-                        gate=(0.0, 1.0))
-
-
-def score_threshold(policy, threshold):
-    """The score an exit must reach under `policy` for a user's exit_threshold, checked against its range:
-    -threshold for 'kl' (scores are -KL), the threshold itself for the others."""
-    low, high = THRESHOLD_RANGES[policy]
-    if not low <= threshold <= high:
-        raise ValueError(f"exit_threshold={threshold!r} is outside [{low:g}, {high:g}], the range of "
-                         f"exit_policy={policy!r}")
-    return -threshold if policy == 'kl' else threshold
-
-
-def exit_score(logits, policy):
-    """How sure an exit is of its next token, from its logits (..., V); higher = more sure. Adaptive exit
-    stops at the first loop whose score reaches a threshold (docs/papers.md §1, variable-depth benchmark)."""
-    logits = logits.float()
-    if policy == 'maxprob':                               # the top token's probability, in (0, 1]
-        return logits.softmax(-1).amax(-1)
-    if policy == 'margin':                                # top1 - top2 logit, >= 0
-        top2 = logits.topk(2, dim=-1).values
-        return top2[..., 0] - top2[..., 1]
-    if policy == 'entropy':                               # 1 - H / log V, in [0, 1]
-        logp = logits.log_softmax(-1)
-        H = -(logp.exp() * logp).sum(-1)
-        return 1.0 - H / math.log(logits.size(-1))
-    raise ValueError(f"exit policy {policy!r}: choose one of maxprob, margin, entropy (kl and gate need "
-                     f"GPT.exit_scorer)")
 
 
 class GPT(nn.Module):
@@ -536,70 +474,45 @@ class GPT(nn.Module):
     def rope(self, pos, T):
         return (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if self.config.pos == 'rope' else None
 
-    def untied(self, blocks, x, cache, pos):
-        # the prelude or the coda: untied blocks run once, each with its own cache slot when decoding
+    def untied(self, part, x, cache=None, pos=0):
+        # the prelude or the coda (§4): untied blocks that run once, each with its own cache slot
         rope = self.rope(pos, x.size(1))
-        for j, block in enumerate(blocks):
-            x = block(x, rope, None if cache is None else cache[j], pos)
+        for j, block in enumerate(self.transformer[part]):
+            x = block(x, rope, None if cache is None else cache.slot(part, j), pos)
         return x
 
-    def inject(self, x, e):
-        # docs/papers.md §4: the prelude output e re-enters every loop after the first
+    def carry(self, h, e):
+        # what enters the next loop: the inter-loop norm (§1), then the prelude output e re-injected (§4)
+        x = self.transformer.ln_loop(h)
         if self.config.injection == 'add':
             return x + e
         if self.config.injection == 'concat':
             return self.transformer.adapter(torch.cat([x, e], dim=-1))  # W [x; e], (B, T, 2C) -> (B, T, C)
         return x
 
-    def loops(self, x, n_loop, pos=0, cache=None, between=None, halted=None):
-        """The recurrence, written once: the prelude, then the K shared blocks applied n_loop times to the
-        embedded tokens x (B, T) at positions pos... Yields (k, h_k) for k = 1..n_loop: h_k is the state after
-        loop k's blocks, before its readout and any loop norm (where ||h_k|| is measured, docs/papers.md §1).
-
-        carry(h, rows=None)    what enters loop k+1 after state h: the inter-loop norm, then the injection of
-                               the prelude output e (rows: the rows still in the batch if a caller drops any)
-        between(k, h_k, carry) -> x   what enters loop k+1; default carry(h_k); diagnostics pass their own
-                               (a radial clamp, dropping rows that have exited)
-        cache                  decoding: new_cache's slots, one (K, V) per (loop, layer) visit, written at pos
-        halted                 decoding with early exit: a (B,) bool mask that the caller sets between
-                               loops. A halted row keeps the state it would have entered the next loop
-                               with, and every visit it skips writes the K/V of that state.
-        With backprop_loops = b > 0 (and grad enabled), loops 1..n_loop-b run without a graph (§4).
-        """
+    def loops(self, x, n_loop, cache=None, pos=0):
+        """The recurrence. x (B, T, C): what enters loop 1 (the embedded tokens after the prelude), also the
+        e that injection re-feeds. Yields (k, h_k) for k = 1..n_loop, h_k being the state after loop k's
+        blocks, before its readout and any loop norm: where ||h_k|| is measured (docs/papers.md §1).
+        A caller that acts between loops (a clamp, dropping rows that exited) sends back (h_k, e) changed."""
         rope = self.rope(pos, x.size(1))
-        K = self.config.n_layer
-        x = e = self.untied(self.transformer.prelude, x, None if cache is None else cache['prelude'], pos)
-        b = self.config.backprop_loops
-        first_grad = n_loop - b + 1 if b and torch.is_grad_enabled() else 1  # the first loop with a graph
-        grad = lambda k: nullcontext() if first_grad <= 1 else torch.set_grad_enabled(k >= first_grad)
-
-        def carry(h, rows=None):
-            nonlocal e
-            e = e if rows is None else e[rows]
-            return self.inject(self.transformer.ln_loop(h), e)
-
+        e, b, grad = x, self.config.backprop_loops, torch.is_grad_enabled()
         for k in range(1, n_loop + 1):
-            with grad(k):
+            # truncated backprop (§4): only the last b loops build a graph (b = 0: all of them)
+            with torch.set_grad_enabled(grad and (b == 0 or k > n_loop - b)):
+                if k > 1:
+                    x = self.carry(x, e)
                 for j, block in enumerate(self.transformer.h):  # the same K blocks every round: shared
-                    slot = None if cache is None else cache['loop'][(k - 1) * K + j]
-                    if halted is None:
-                        x = block(x, rope, slot, pos)
-                    elif bool(halted.all()):
-                        block.fill_cache(x, rope, slot, pos)    # every row has exited: only K/V left to write
-                    else:
-                        x = torch.where(halted[:, None, None], x, block(x, rope, slot, pos))
-            was_halted = None if halted is None else halted.clone()
-            yield k, x                                       # the caller reads out h_k, or halts rows
-            if k < n_loop:
-                with grad(k + 1):                            # the carry belongs to the loop it enters
-                    x_next = carry(x) if between is None else between(k, x, carry)
-                x = x_next if halted is None else torch.where(was_halted[:, None, None], x, x_next)
+                    x = block(x, rope, None if cache is None else cache.slot('loop', j, k), pos)
+            sent = yield k, x
+            if sent is not None:
+                x, e = sent
 
     def states(self, idx, n_loop=None):
         """[h_1, ..., h_R]: every loop state of tokens idx (B, T); n_loop overrides the trained R."""
         R = self.config.n_loop if n_loop is None else n_loop
         assert isinstance(R, int) and R >= 1, f"n_loop must be an integer >= 1, got {R!r}"
-        return [h for _, h in self.loops(self.embed(idx), R)]
+        return [h for _, h in self.loops(self.untied('prelude', self.embed(idx)), R)]
 
     def draw_n_loop(self, generator):
         """The loop count of one training step. loop_sampling='poisson_lognormal' (Huginn, docs/papers.md
@@ -620,11 +533,8 @@ class GPT(nn.Module):
         return self.transformer.ln_out(h)
 
     def head_input(self, h, k, cache=None, pos=0):
-        """z_k, what the LM head (and the exit gate) read at exit k: the coda blocks (§4; none by default),
-        then the readout norm. h (B, T, C); decoding passes the coda's cache slots."""
-        if self.config.n_coda:
-            h = self.untied(self.transformer.coda, h, cache, pos)
-        return self.readout_norm(h, k)
+        # z_k, what the LM head (and the exit gate) read at exit k: the coda (§4), then the readout norm
+        return self.readout_norm(self.untied('coda', h, cache, pos), k)
 
     def readout(self, h, k):
         """Logits of exit k (1-based) from the state h_k: (..., C) -> (..., V)."""
@@ -634,30 +544,6 @@ class GPT(nn.Module):
         # docs/papers.md §4 (Ouro): lambda_k = sigmoid(w . z_k + b), the probability to stop at exit k if
         # no earlier exit stopped; z (..., C) -> (...)
         return torch.sigmoid(self.exit_gate(z).float()).squeeze(-1)
-
-    def exit_scorer(self, policy):
-        """score(z_k, logits_k) -> (...): called for exits k = 1, 2, ... in order, how ready each position
-        is to stop at exit k (higher = readier). The three confidence policies see only the logits; 'kl'
-        scores -KL(p_{k-1} || p_k) between successive exits (Huginn; -inf at exit 1); 'gate' the learned
-        gate's cumulative exit probability 1 - prod_{j<=k} (1 - lambda_j) (Ouro)."""
-        assert policy in EXIT_POLICIES, f"exit policy {policy!r}: choose one of {', '.join(EXIT_POLICIES)}"
-        assert policy != 'gate' or self.config.exit_gate == 'learned', "policy 'gate' needs a learned gate"
-        prev, stay = None, None  # the previous exit's log-probs; the probability of not having exited yet
-
-        def score(z, logits):
-            nonlocal prev, stay
-            if policy == 'gate':
-                lam = self.gate(z)
-                stay = 1 - lam if stay is None else stay * (1 - lam)
-                return 1 - stay
-            if policy == 'kl':
-                logp = logits.float().log_softmax(-1)
-                out = torch.full(logp.shape[:-1], -math.inf, device=logp.device) if prev is None else \
-                    -(prev.exp() * (prev - logp)).sum(-1)
-                prev = logp
-                return out
-            return exit_score(logits, policy)
-        return score
 
     # ---- the loss ----
     def exit_weights(self, R):
@@ -670,8 +556,8 @@ class GPT(nn.Module):
         return self.config.norm_penalty * torch.stack([h.float().pow(2).mean() for h in states]).mean()
 
     def gate_loss(self, zs, targets):
-        """docs/papers.md §4 (Ouro): per token, sum_k p(k) CE_k - exit_entropy * H(p), with the exit
-        distribution p(k) of the learned gate over the exits' inputs zs [z_1..z_R] (B, T, C)."""
+        # docs/papers.md §4 (Ouro): per token, sum_k p(k) CE_k - exit_entropy * H(p), with the exit
+        # distribution p(k) of the learned gate over the exits' inputs zs [z_1..z_R] (B, T, C)
         ce = torch.stack([token_ce(z, self.lm_head.weight, targets) for z in zs])   # (R, B*T)
         p = exit_distribution(torch.stack([self.gate(z).flatten() for z in zs]))  # (R, B*T)
         H = -(p * p.clamp(min=1e-12).log()).sum(0)
@@ -680,8 +566,7 @@ class GPT(nn.Module):
         return (per_token * valid).sum() / valid.sum().clamp(min=1)
 
     def loss(self, states, targets):
-        """The training loss of the loop states [h_1..h_R]: the weighted exit CEs (or the learned gate's
-        expected CE) plus the norm penalty."""
+        # the weighted exit CEs (or the learned gate's expected CE) of the loop states, plus the norm penalty
         weights = self.exit_weights(len(states))
         exits = [k for k, w in enumerate(weights, start=1) if w > 0]
         zs = [self.head_input(states[k - 1], k) for k in exits]
@@ -689,8 +574,7 @@ class GPT(nn.Module):
             loss = self.gate_loss(zs, targets)
         else:
             exit_w = tuple(weights[k - 1] for k in exits)
-            xs = torch.stack(zs)  # (E, B, T, C)
-            loss = LinearCrossEntropy.apply(self.lm_head.weight, targets, exit_w, xs)
+            loss = LinearCrossEntropy.apply(self.lm_head.weight, targets, exit_w, torch.stack(zs))
         if self.config.norm_penalty > 0:
             loss = loss + self.norm_penalty(states)
         return loss
@@ -743,91 +627,10 @@ class GPT(nn.Module):
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak=None, T=None):
         """Model flops utilisation of fwdbwd_per_iter sequences in dt seconds, against peak (FLOP/s); by
-        default the bf16 peak of the current CUDA device from PEAK_FLOPS (None if unknown)."""
+        default the bf16 peak of the current CUDA device (hardware.peak_flops; None if unknown)."""
         T = self.config.block_size if T is None else T
         if peak is None and torch.cuda.is_available():
             peak = peak_flops(torch.cuda.get_device_name())
         if peak is None:
             return None
         return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / peak
-
-    # ---- decoding with a KV cache ----
-    def new_cache(self, B, R, device, dtype):
-        # one (k, v) slot per (loop, layer) visit: loop k re-uses layer j's weights but sees other inputs,
-        # so it has its own keys and values. 'loop' slot index = (k-1)*K + j; the prelude and the coda (run
-        # once per token) have one slot per block.
-        cfg = self.config
-        shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        slots = lambda n: [(torch.zeros(shape, device=device, dtype=dtype),
-                            torch.zeros(shape, device=device, dtype=dtype)) for _ in range(n)]
-        return dict(prelude=slots(cfg.n_prelude), loop=slots(R * cfg.n_layer), coda=slots(cfg.n_coda))
-
-    def decode_step(self, idx, cache, pos, n_loop, exit_threshold=None, exit_policy='maxprob'):
-        """Run tokens idx (B, T) at positions pos.. through up to n_loop loops, writing the cache.
-        Returns the last position's logits (B, V) at each row's exit and the loops each row used (B,).
-        Without exit_threshold every row runs all n_loop loops; with it (a score, see score_threshold) a row
-        stops at the first loop whose exit_scorer score reaches it (the last loop always exits). The coda's
-        slots end up holding the K/V of the state each row exited with."""
-        B = idx.size(0)
-        halted = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        used = torch.full((B,), float(n_loop), device=idx.device)
-        logits = torch.zeros(B, self.config.vocab_size, device=idx.device)
-        adaptive = exit_threshold is not None
-        score, h_exit = self.exit_scorer(exit_policy) if adaptive else None, None
-        for k, h in self.loops(self.embed(idx, pos), n_loop, pos, cache, halted=halted if adaptive else None):
-            if (k < n_loop and not adaptive) or bool(halted.all()):
-                continue
-            z = self.head_input(h, k, cache['coda'], pos)[:, -1]  # (B, C)
-            logits_k = self.lm_head(z).float()                    # (B, V)
-            sure = True if k == n_loop else score(z, logits_k) >= exit_threshold  # (B,)
-            exits = ~halted & sure
-            logits = torch.where(exits[:, None], logits_k, logits)
-            used = torch.where(exits, float(k), used)
-            h_exit = h if h_exit is None else torch.where(exits[:, None, None], h, h_exit)
-            halted |= exits                                  # the loop keeps these rows' state from here on
-        if adaptive and self.config.n_coda:
-            self.untied(self.transformer.coda, h_exit, cache['coda'], pos)  # rewrite the coda's K/V at pos
-        return logits, used
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
-                 exit_policy='maxprob', use_cache=True):
-        """Sample max_new_tokens after idx (B, T). Fixed exit: every token stops at loop n_loop (default R).
-        Adaptive exit (exit_threshold, in the range of exit_policy: score_threshold): a token stops at the
-        first loop whose exit score reaches the threshold (for 'kl': whose KL to the previous exit is at most
-        the threshold). temperature 0 = greedy. The prompt always runs all n_loop loops, so the first new
-        token (read off the prompt pass) uses all of them too. self.last_loops_used: (B, new) loops per
-        token."""
-        R = self.config.n_loop if n_loop is None else n_loop
-        assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: choose one of {EXIT_POLICIES}"
-        assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
-        threshold = None if exit_threshold is None else score_threshold(exit_policy, exit_threshold)
-        bs = self.config.block_size
-        cache, pos, used_all = None, 0, []
-        for _ in range(max_new_tokens):
-            if not use_cache:
-                logits, _ = self(idx[:, -bs:], n_loop=R)
-                logits = logits[:, -1, :].float()
-                used = torch.full((idx.size(0),), float(R), device=idx.device)
-            elif cache is None or pos == bs:
-                # (re)fill the cache from the context cropped to the block size, exactly what the uncached
-                # forward sees; positions restart at 0 after a crop, so old keys are invalid
-                idx_cond = idx[:, -bs:]
-                cache = self.new_cache(idx.size(0), R, idx.device, self.lm_head.weight.dtype)
-                logits, used = self.decode_step(idx_cond, cache, 0, R)
-                pos = idx_cond.size(1)
-            else:
-                logits, used = self.decode_step(idx[:, -1:], cache, pos, R, threshold, exit_policy)
-                pos += 1
-            if temperature == 0:
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float('Inf')
-                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, idx_next), dim=1)
-            used_all.append(used)
-        self.last_loops_used = torch.stack(used_all, dim=1) if used_all else torch.zeros(idx.size(0), 0)
-        return idx

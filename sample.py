@@ -17,7 +17,7 @@ import torch
 
 import checkpoint
 from errors import Parser, die
-from model import EXIT_POLICIES, score_threshold
+from engine import EXIT_POLICIES, generate, score_threshold
 from prepare import get_tokenizer, load_meta
 
 
@@ -146,11 +146,12 @@ def main(argv=None):
     loops = []
     with torch.no_grad(), ctx:
         for _ in range(args.num_samples):
-            y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                               n_loop=R, exit_threshold=args.exit_threshold, exit_policy=args.exit_policy)
+            y, used = generate(model, x, args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k or None, n_loop=R, exit_threshold=args.exit_threshold,
+                               exit_policy=args.exit_policy)
             print(decode(y[0].tolist()))
             print('---------------')
-            loops.append(model.last_loops_used.float().flatten())
+            loops.append(used.float().flatten())
     if args.exit_threshold is not None and args.max_new_tokens > 0:
         # counts the generated tokens only (the prompt always runs all R loops)
         used = torch.cat(loops)

@@ -7,7 +7,9 @@ import torch
 from torch.nn import functional as F
 
 from hardware import attention_path, auto_dtype, peak_flops
-from model import GPT, GPTConfig, THRESHOLD_RANGES, LinearCrossEntropy, attention
+import engine
+from engine import THRESHOLD_RANGES, KVCache, decode_step, generate
+from model import GPT, GPTConfig, LinearCrossEntropy, attention
 
 V, T = 48, 16
 
@@ -494,8 +496,8 @@ def test_cached_decoding_equals_full_recompute(kw):
     idx, _ = batch(B=2)
     # 4 prompt tokens + 30 new tokens runs past block_size 16, so the cache is also rebuilt after the crop
     for n_loop in (None, 5):
-        fast = m.generate(idx[:, :4], 30, temperature=0, n_loop=n_loop)
-        slow = m.generate(idx[:, :4], 30, temperature=0, n_loop=n_loop, use_cache=False)
+        fast, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop)
+        slow, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop, use_cache=False)
         assert torch.equal(fast, slow), n_loop
 
 
@@ -517,7 +519,7 @@ def middle_exit(m, prompt, policy):
     confident loop), with that token's exit logits (R, B, V). The token is decoded after the first new one,
     whose prompt pass runs all loops, so its per-loop states are those of the full forward."""
     with torch.no_grad():
-        logits = exit_logits(m, m.generate(prompt, 1, temperature=0))
+        logits = exit_logits(m, generate(m, prompt, 1, temperature=0)[0])
     s = confidence(logits, policy)[:, 0]
     assert s[1] > s[0] + 1e-3, s  # the set-up: loop 2 is more confident than loop 1
     return (s[0] + s[1]).item() / 2, logits
@@ -528,17 +530,17 @@ def test_adaptive_exit_uses_the_first_confident_loop(policy):
     m = tiny(n_loop=4).eval()
     prompt = batch(B=4)[0][3:, :4]
     # threshold 0: every token exits at loop 1 (the first new token is read off the prompt pass: all loops)
-    m.generate(prompt, 6, temperature=0, exit_threshold=0.0, exit_policy=policy)
-    assert m.last_loops_used.tolist() == [[4] + [1] * 5]
+    _, used = generate(m, prompt, 6, temperature=0, exit_threshold=0.0, exit_policy=policy)
+    assert used.tolist() == [[4] + [1] * 5]
     # unreachable (the top of the policy's range): every token runs all R loops, which is fixed exit at R
     top = THRESHOLD_RANGES[policy][1]
-    never = m.generate(prompt, 6, temperature=0, exit_threshold=min(top, 1e9), exit_policy=policy)
-    assert m.last_loops_used.tolist() == [[4] * 6]
-    assert torch.equal(never, m.generate(prompt, 6, temperature=0))
+    never, used = generate(m, prompt, 6, temperature=0, exit_threshold=min(top, 1e9), exit_policy=policy)
+    assert used.tolist() == [[4] * 6]
+    assert torch.equal(never, generate(m, prompt, 6, temperature=0)[0])
     # a threshold only loop 2 reaches: the token stops at loop 2 and is loop 2's argmax
     t, logits = middle_exit(m, prompt, policy)
-    out = m.generate(prompt, 2, temperature=0, exit_threshold=t, exit_policy=policy)
-    assert m.last_loops_used.tolist() == [[4, 2]]
+    out, used = generate(m, prompt, 2, temperature=0, exit_threshold=t, exit_policy=policy)
+    assert used.tolist() == [[4, 2]]
     assert out[0, -1].item() == logits[1, 0].argmax().item() != logits[3, 0].argmax().item()
 
 
@@ -553,38 +555,38 @@ def test_batched_adaptive_decoding_equals_decoding_each_row_alone(policy):
             block.attn.c_proj.weight.mul_(3.0)
     prompts = torch.randint(0, V, (8, 4), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logits = exit_logits(m, m.generate(prompts, 1, temperature=0))  # (R, B, V) of the second new token
+        logits = exit_logits(m, generate(m, prompts, 1, temperature=0)[0])  # (R, B, V) of the second new token
     s = confidence(logits, policy)
     r = (s[1] - s[0]).argmax()
     t = (s[0, r] + s[1, r]).item() / 2  # row r's first confident loop is loop 2
     # each row's first confident loop, else R
     first = torch.where(s[:3] >= t, torch.arange(1, 4)[:, None], 4).min(0).values
     assert (s - t).abs().min() > 1e-4 and len(set(first.tolist())) >= 2, (s, t)
-    both = m.generate(prompts, 14, temperature=0, exit_threshold=t, exit_policy=policy)
-    used = m.last_loops_used.clone()
+    both, used = generate(m, prompts, 14, temperature=0, exit_threshold=t, exit_policy=policy)
     assert torch.equal(used[:, 1], first.float())
     assert torch.equal(both[:, 5], logits[first - 1, torch.arange(8)].argmax(-1))
     for row in range(8):
-        alone = m.generate(prompts[row:row + 1], 14, temperature=0, exit_threshold=t, exit_policy=policy)
-        assert torch.equal(alone[0], both[row]) and torch.equal(m.last_loops_used[0], used[row]), row
+        alone, alone_used = generate(m, prompts[row:row + 1], 14, temperature=0, exit_threshold=t,
+                                     exit_policy=policy)
+        assert torch.equal(alone[0], both[row]) and torch.equal(alone_used[0], used[row]), row
 
 
 def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
     m = tiny().eval()
     idx, _ = batch(B=1)
     K, R = 2, 3
-    cache = m.new_cache(1, R, 'cpu', torch.float32)
-    m.decode_step(idx[:, :4], cache, 0, R)
-    _, used = m.decode_step(idx[:, 4:5], cache, 4, R, exit_threshold=0.0)     # exits after loop 1
+    cache = KVCache(m, 1, R, 'cpu', torch.float32)
+    decode_step(m, idx[:, :4], cache, 0, R)
+    _, used = decode_step(m, idx[:, 4:5], cache, 4, R, threshold=0.0)     # exits after loop 1
     assert used.item() == 1
     # the exit state entering loop 2 is frozen; loops 2..R write K/V computed from it
     x = m.states(idx[:, :5], n_loop=1)[0][:, -1:]  # the new token's state after loop 1
     for k in (2, 3):
         for j, block in enumerate(m.transformer.h):
-            _, kk, vv = block.attn.qkv(block.ln_1(x), None, None, 0)
-            slot = cache["loop"][(k - 1) * K + j]
-            assert torch.allclose(slot[0][:, :, 4:5], kk, atol=1e-5)
-            assert torch.allclose(slot[1][:, :, 4:5], vv, atol=1e-5)
+            _, kk, vv = block.attn.qkv(block.ln_1(x))
+            slot = cache.slots['loop'][(k - 1) * K + j]
+            assert torch.allclose(slot.k[:, :, 4:5], kk, atol=1e-5)
+            assert torch.allclose(slot.v[:, :, 4:5], vv, atol=1e-5)
 
 
 @pytest.mark.parametrize('kw,n_exits', [(dict(), 3), (dict(supervision='terminal'), 1)])

@@ -20,7 +20,8 @@ from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_en
 from test_reliability import assert_clean_error, model_tensors_equal, torchrun_unavailable
 
 import eval_depth
-from model import GPT, GPTConfig, exit_distribution, score_threshold
+from engine import ExitScorer, generate, score_threshold
+from model import GPT, GPTConfig, exit_distribution
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'golden_metrics.json')
 
@@ -77,10 +78,11 @@ def test_concat_injection_starts_as_the_identity_and_add_injection_adds_the_prel
     m = tiny(n_prelude=1, injection='add', inter_loop_norm='rmsnorm')
     e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))
     seen = []
-    for k, h in m.loops(m.embed(X), 3, between=lambda k, h, carry: seen.append((h, carry(h))) or seen[-1][1]):
-        pass
-    for h, entered in seen:
-        torch.testing.assert_close(entered, m.transformer.ln_loop(h) + e)
+    x = m.untied('prelude', m.embed(X))
+    states = [h for _, h in m.loops(x, 3)]
+    for h, h_next in zip(states, states[1:]):  # loop k+1 starts from ln_loop(h_k) + e
+        block_in = m.transformer.ln_loop(h) + e
+        torch.testing.assert_close(h_next, next(m.loops(block_in, 1))[1])
 
 
 # -----------------------------------------------------------------------------
@@ -153,13 +155,13 @@ def test_kl_exit_never_stops_at_the_first_loop_and_gate_exit_follows_the_cumulat
     m = tiny(n_loop=4, exit_gate='learned').eval()
     prompt = batch(B=2)[0][:, :4]
     # KL <= a huge bound holds from exit 2 on; there is no KL at exit 1
-    m.generate(prompt, 5, temperature=0, exit_threshold=1e9, exit_policy='kl')
-    assert m.last_loops_used[:, 1:].eq(2).all()
+    _, used = generate(m, prompt, 5, temperature=0, exit_threshold=1e9, exit_policy='kl')
+    assert used[:, 1:].eq(2).all()
     # a cumulative exit probability >= 0 holds at once; >= 1 is reached only by the last exit
-    m.generate(prompt, 5, temperature=0, exit_threshold=0.0, exit_policy='gate')
-    assert m.last_loops_used[:, 1:].eq(1).all()
-    m.generate(prompt, 5, temperature=0, exit_threshold=1.0, exit_policy='gate')
-    assert m.last_loops_used.eq(4).all()
+    _, used = generate(m, prompt, 5, temperature=0, exit_threshold=0.0, exit_policy='gate')
+    assert used[:, 1:].eq(1).all()
+    _, used = generate(m, prompt, 5, temperature=0, exit_threshold=1.0, exit_policy='gate')
+    assert used.eq(4).all()
     with pytest.raises(ValueError, match=r"exit_threshold=1.5 is outside \[0, 1\].*'gate'"):
         score_threshold('gate', 1.5)
 
@@ -170,8 +172,8 @@ def test_cached_decoding_equals_uncached_with_prelude_coda_and_injection():
     with torch.no_grad():
         m.transformer.adapter.weight.add_(0.3 * torch.randn_like(m.transformer.adapter.weight))
     prompt = batch(B=2)[0][:, :5]
-    cached = m.generate(prompt, 20, temperature=0)
-    assert torch.equal(cached, m.generate(prompt, 20, temperature=0, use_cache=False))
+    cached, _ = generate(m, prompt, 20, temperature=0)
+    assert torch.equal(cached, generate(m, prompt, 20, temperature=0, use_cache=False)[0])
 
 
 def test_adaptive_decoding_with_a_coda_equals_decoding_each_row_alone():
@@ -179,15 +181,15 @@ def test_adaptive_decoding_with_a_coda_equals_decoding_each_row_alone():
     m = tiny(n_loop=4, n_coda=1, injection='add', readout='raw').eval()
     prompts = torch.randint(0, V, (6, 4), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        scores = torch.stack([m.exit_scorer('margin')(None, m.readout(h, k)[:, -1]) for k, h in
+        scores = torch.stack([ExitScorer(m, 'margin')(None, m.readout(h, k)[:, -1]) for k, h in
                               enumerate(m.states(prompts), 1)])
     t = float(scores[:3].median())
-    together = m.generate(prompts, 6, temperature=0, exit_threshold=t, exit_policy='margin')
-    used = m.last_loops_used
+    together, used = generate(m, prompts, 6, temperature=0, exit_threshold=t, exit_policy='margin')
     assert len(set(used[:, 1:].flatten().tolist())) > 1  # the rows really do exit at different loops
     for i in range(prompts.size(0)):
-        alone = m.generate(prompts[i:i + 1], 6, temperature=0, exit_threshold=t, exit_policy='margin')
-        assert torch.equal(alone, together[i:i + 1]) and torch.equal(m.last_loops_used, used[i:i + 1])
+        alone, alone_used = generate(m, prompts[i:i + 1], 6, temperature=0, exit_threshold=t,
+                                     exit_policy='margin')
+        assert torch.equal(alone, together[i:i + 1]) and torch.equal(alone_used, used[i:i + 1])
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,209 @@
+"""
+Decoding a looped GPT: the KV cache, one decode step with a fixed or an adaptive exit, and generate.
+
+The model knows nothing of this file. Its attention asks the cache for a visit's slot (cache.slot(part, j, k))
+and hands it the new keys and values (slot.update); everything about decoding lives here: which rows are
+still looping, what a row that exited early writes into the slots of the visits it skips, and when to stop.
+
+    cache = KVCache(model, B, R, device, dtype)
+    logits, used = decode_step(model, idx, cache, pos, R, threshold, policy)
+    idx, used = generate(model, idx, max_new_tokens, temperature=0.8, exit_threshold=0.9)
+
+Exit policies score how ready a position is to stop at exit k (docs/papers.md §1, variable-depth benchmark;
+§4 for kl and gate): the three confidences of one exit's logits, the KL between successive exits (Huginn)
+and the learned gate's cumulative exit probability (Ouro).
+"""
+import math
+
+import torch
+from torch.nn import functional as F
+
+EXIT_POLICIES = ('maxprob', 'margin', 'entropy', 'kl', 'gate')
+# the range of each policy's exit_threshold; kl's threshold is a KL bound (exit when KL <= it), the others
+# a score to reach
+THRESHOLD_RANGES = dict(maxprob=(0.0, 1.0), margin=(0.0, math.inf), entropy=(0.0, 1.0), kl=(0.0, math.inf),
+                        gate=(0.0, 1.0))
+
+
+def score_threshold(policy, threshold):
+    """The score an exit must reach under `policy` for a user's exit_threshold, checked against its range:
+    -threshold for 'kl' (scores are -KL), the threshold itself for the others."""
+    low, high = THRESHOLD_RANGES[policy]
+    if not low <= threshold <= high:
+        raise ValueError(f"exit_threshold={threshold!r} is outside [{low:g}, {high:g}], the range of "
+                         f"exit_policy={policy!r}")
+    return -threshold if policy == 'kl' else threshold
+
+
+def exit_score(logits, policy):
+    """How sure an exit is of its next token, from its logits (..., V); higher = more sure."""
+    logits = logits.float()
+    if policy == 'maxprob':                               # the top token's probability, in (0, 1]
+        return logits.softmax(-1).amax(-1)
+    if policy == 'margin':                                # top1 - top2 logit, >= 0
+        top2 = logits.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if policy == 'entropy':                               # 1 - H / log V, in [0, 1]
+        logp = logits.log_softmax(-1)
+        H = -(logp.exp() * logp).sum(-1)
+        return 1.0 - H / math.log(logits.size(-1))
+    raise ValueError(f"exit policy {policy!r}: choose one of maxprob, margin, entropy (kl and gate need "
+                     f"an ExitScorer)")
+
+
+class ExitScorer:
+    """score(z_k, logits_k) -> (...), called for exits k = 1, 2, ... in order: how ready each position is to
+    stop at exit k (higher = readier). 'kl' scores -KL(p_{k-1} || p_k) between successive exits (-inf at
+    exit 1); 'gate' the learned gate's cumulative exit probability 1 - prod_{j<=k} (1 - lambda_j), which is
+    the exit distribution's sum over exits 1..k. keep(rows) follows the rows that stay in the batch."""
+
+    def __init__(self, model, policy):
+        assert policy in EXIT_POLICIES, f"exit policy {policy!r}: choose one of {', '.join(EXIT_POLICIES)}"
+        assert policy != 'gate' or model.config.exit_gate == 'learned', "policy 'gate' needs a learned gate"
+        self.model, self.policy = model, policy
+        self.prev = None  # kl: the previous exit's log-probs; gate: the probability of not having exited yet
+
+    def __call__(self, z, logits):
+        if self.policy == 'gate':
+            lam = self.model.gate(z)
+            self.prev = 1 - lam if self.prev is None else self.prev * (1 - lam)
+            return 1 - self.prev
+        if self.policy == 'kl':
+            logp = logits.float().log_softmax(-1)
+            out = torch.full(logp.shape[:-1], -math.inf, device=logp.device) if self.prev is None else \
+                -(self.prev.exp() * (self.prev - logp)).sum(-1)
+            self.prev = logp
+            return out
+        return exit_score(logits, self.policy)
+
+    def keep(self, rows):
+        self.prev = None if self.prev is None else self.prev[rows]
+
+
+class Slot:
+    """The keys and values of one visit, (B, nh, block_size, hs) each, for the rows the cache runs now."""
+
+    def __init__(self, cache, shape, device, dtype):
+        self.cache = cache
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def update(self, k, v, pos):
+        # write k, v (B', nh, T, hs) at positions pos..pos+T-1 and return the history 0..pos+T-1
+        T, rows = k.size(2), self.cache.rows
+        if rows is None:
+            self.k[:, :, pos:pos + T], self.v[:, :, pos:pos + T] = k, v
+            return self.k[:, :, :pos + T], self.v[:, :, :pos + T]
+        self.k[rows, :, pos:pos + T], self.v[rows, :, pos:pos + T] = k, v
+        return self.k[rows, :, :pos + T], self.v[rows, :, :pos + T]
+
+
+class KVCache:
+    """One slot per (loop, layer) visit: loop k re-uses layer j's weights but sees other inputs, so it has
+    its own keys and values. The prelude and the coda (run once per token) have one slot per block.
+    rows: the batch rows the model runs on now (None = all); a row that exited leaves the batch."""
+
+    def __init__(self, model, B, R, device, dtype):
+        cfg = model.config
+        shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        new = lambda n: [Slot(self, shape, device, dtype) for _ in range(n)]
+        self.slots = dict(prelude=new(cfg.n_prelude), loop=new(R * cfg.n_layer), coda=new(cfg.n_coda))
+        self.K, self.rows = cfg.n_layer, None
+
+    def slot(self, part, j, k=1):
+        return self.slots[part][(k - 1) * self.K + j if part == 'loop' else j]
+
+
+def fill_skipped(model, cache, x, k, n_loop, pos):
+    """A row that exits at loop k skips the visits of loops k+1..n_loop, but later tokens attend to their
+    keys and values: write those of x, the state the row would have entered loop k+1 with (its exit state
+    carried forward, as CALM does), into every skipped visit's slot."""
+    rope = model.rope(pos, x.size(1))
+    visits = [(k2, j) for k2 in range(k + 1, n_loop + 1) for j in range(model.config.n_layer)]
+    for k2, j in visits:
+        block = model.transformer.h[j]
+        _, keys, values = block.attn.qkv(block.ln_1(x), rope)
+        cache.slot('loop', j, k2).update(keys, values, pos)
+
+
+@torch.no_grad()
+def decode_step(model, idx, cache, pos, n_loop, threshold=None, policy='maxprob'):
+    """Run tokens idx (B, T) at positions pos.. through up to n_loop loops, writing the cache. Returns the
+    last position's logits (B, V) at each row's exit and the loops each row used (B,). Without a threshold
+    every row runs all n_loop loops; with one (a score, see score_threshold) a row stops at the first loop
+    whose score reaches it (the last loop always exits) and leaves the batch for the loops after it."""
+    B = idx.size(0)
+    logits = torch.zeros(B, model.config.vocab_size, device=idx.device)
+    used = torch.full((B,), float(n_loop), device=idx.device)
+    x = e = model.untied('prelude', model.embed(idx, pos), cache, pos)
+    score = None if threshold is None else ExitScorer(model, policy)
+    live = torch.arange(B, device=idx.device)  # the rows still looping
+    h_exit = torch.zeros_like(x)               # the state each row exited with (for the coda's slots)
+    loops, sent = model.loops(x, n_loop, cache, pos), None
+    for k in range(1, n_loop + 1):
+        _, h = loops.send(sent)
+        sent = None
+        if score is None and k < n_loop:
+            continue
+        z = model.head_input(h, k, cache, pos)[:, -1]      # (B', C): the coda writes its slots on the way
+        logits_k = model.lm_head(z).float()                # (B', V)
+        out = torch.ones_like(live, dtype=torch.bool) if k == n_loop else score(z, logits_k) >= threshold
+        if not bool(out.any()):
+            continue
+        rows = live[out]
+        logits[rows], used[rows], h_exit[rows] = logits_k[out], float(k), h[out]
+        if k < n_loop:
+            cache.rows = rows if rows.numel() < B else None
+            fill_skipped(model, cache, model.carry(h[out], e[out]), k, n_loop, pos)
+        live, stay = live[~out], ~out
+        if live.numel() == 0:
+            break
+        cache.rows, e = live, e[stay]   # the rows that stay leave the others behind for the next loops
+        score.keep(stay)
+        sent = (h[stay], e)
+    cache.rows = None
+    if score is not None and model.config.n_coda:
+        model.untied('coda', h_exit, cache, pos)  # the coda's slots at pos: from each row's exit state
+    return logits, used
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
+             exit_policy='maxprob', use_cache=True):
+    """Sample max_new_tokens after idx (B, T); returns (idx with them, loops used per new token (B, new)).
+    Fixed exit: every token stops at loop n_loop (default R). Adaptive exit (exit_threshold, in the range of
+    exit_policy, see score_threshold): a token stops at the first loop whose exit score reaches the threshold
+    (for 'kl': whose KL to the previous exit is at most the threshold). temperature 0 = greedy. The prompt
+    always runs all n_loop loops, so the first new token (read off the prompt pass) uses all of them too."""
+    R = model.config.n_loop if n_loop is None else n_loop
+    assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: choose one of {EXIT_POLICIES}"
+    assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
+    threshold = None if exit_threshold is None else score_threshold(exit_policy, exit_threshold)
+    bs = model.config.block_size
+    cache, pos, used_all = None, 0, []
+    for _ in range(max_new_tokens):
+        if not use_cache:
+            logits, _ = model(idx[:, -bs:], n_loop=R)
+            logits = logits[:, -1, :].float()
+            used = torch.full((idx.size(0),), float(R), device=idx.device)
+        elif cache is None or pos == bs:
+            # (re)fill the cache from the context cropped to the block size, exactly what the uncached
+            # forward sees; positions restart at 0 after a crop, so old keys are invalid
+            idx_cond = idx[:, -bs:]
+            cache = KVCache(model, idx.size(0), R, idx.device, model.lm_head.weight.dtype)
+            logits, used = decode_step(model, idx_cond, cache, 0, R)
+            pos = idx_cond.size(1)
+        else:
+            logits, used = decode_step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
+            pos += 1
+        if temperature == 0:
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('Inf')
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+        idx = torch.cat((idx, idx_next), dim=1)
+        used_all.append(used)
+    return idx, torch.stack(used_all, dim=1) if used_all else torch.zeros(idx.size(0), 0)
