@@ -555,7 +555,7 @@ def test_batched_adaptive_decoding_equals_decoding_each_row_alone(policy):
             block.attn.c_proj.weight.mul_(3.0)
     prompts = torch.randint(0, V, (8, 4), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logits = exit_logits(m, generate(m, prompts, 1, temperature=0)[0])  # (R, B, V) of the second new token
+        logits = exit_logits(m, generate(m, prompts, 1, temperature=0)[0])  # (R, B, V), second new token
     s = confidence(logits, policy)
     r = (s[1] - s[0]).argmax()
     t = (s[0, r] + s[1, r]).item() / 2  # row r's first confident loop is loop 2
