@@ -8,7 +8,7 @@ assignments override the defaults; `--key=value` sets one key, the value read as
 True/False, strings) or else taken as a string. The defaults live in one place per key: training keys are
 the globals at the top of train.py, model keys the fields of model.GPTConfig. An unknown key stops with the
 nearest known one suggested; a value must have its default's type (an int is fine where a float is
-expected); ranges are checked by check() below (training keys) and by GPTConfig (model keys).
+expected); ranges are checked by check() below (training keys) and check_model (model keys).
 """
 import ast
 import difflib
@@ -18,7 +18,90 @@ import types
 from dataclasses import fields
 
 from errors import die, first_line
-from model import GPTConfig
+from model import DEPTH_EXPONENTS, GPTConfig
+
+
+# -----------------------------------------------------------------------------
+# the model keys: their defaults and meanings are model.GPTConfig's, their choices and ranges are here
+
+# the named choices of every model key
+MODEL_CHOICES = dict(
+    pos=('learned', 'rope'),
+    mlp=('swiglu', 'gelu'),
+    norm=('rmsnorm', 'layernorm'),
+    init=('reference', 'gpt2'),
+    readout=('rmsnorm', 'layernorm', 'raw', 'final_only'),
+    supervision=('per_loop', 'terminal'),
+    inter_loop_norm=('none', 'rmsnorm', 'layernorm', 'readout'),
+    block=('preln', 'postln', 'sandwich'),
+    attn_impl=('auto', 'sdpa', 'math', 'explicit'),
+    injection=('none', 'add', 'concat'),
+    loop_sampling=('fixed', 'poisson_lognormal'),
+    exit_gate=('none', 'learned'),
+)
+# the integer keys and their least value
+INT_KEYS = dict(block_size=1, vocab_size=1, n_layer=1, n_loop=1, n_head=1, n_embd=1,
+                n_prelude=0, n_coda=0, max_loop=0, backprop_loops=0)
+
+
+def require(ok, msg):
+    # a model value that model.py cannot build: one line, in the terms the user typed
+    if not ok:
+        raise ValueError(msg)
+
+
+def check_model(cfg):
+    """The values of a GPTConfig and the combinations this model.py can build: ValueError (one line) for
+    anything else. Returns cfg, with depth_scaling parsed."""
+    for key, allowed in MODEL_CHOICES.items():
+        value = getattr(cfg, key)
+        require(value in allowed, f"{key}={value!r}: choose one of {', '.join(allowed)}")
+    for key, low in INT_KEYS.items():
+        value = getattr(cfg, key)
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                f"{key}={value!r}: must be an integer >= {low}")
+    for key in ('dropout', 'norm_penalty', 'loop_eps', 'exit_entropy'):
+        value = getattr(cfg, key)
+        require(math.isfinite(value), f"{key}={value!r}: must be a finite number")
+    require(cfg.n_embd % cfg.n_head == 0,
+            f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    require(cfg.pos != 'rope' or (cfg.n_embd // cfg.n_head) % 2 == 0,
+            f"pos='rope' needs an even head size, got n_embd/n_head = {cfg.n_embd // cfg.n_head}")
+    require(0.0 <= cfg.dropout < 1.0, f"dropout={cfg.dropout!r}: must be in [0, 1)")
+    require(cfg.norm_penalty >= 0, f"norm_penalty={cfg.norm_penalty!r}: must be >= 0")
+    require(cfg.loop_eps >= 0, f"loop_eps={cfg.loop_eps!r}: must be >= 0 (0 = off)")
+    require(cfg.loop_eps == 0 or cfg.block == 'preln',
+            "loop_eps scales pre-norm branches: it needs block='preln'")
+    cfg.depth_scaling = parse_depth_scaling(cfg.depth_scaling)
+    require(cfg.depth_exponent == 0 or cfg.block != 'preln', f"depth_scaling={cfg.depth_scaling!r} "
+            f"scales post-norm skips: use block='postln' or 'sandwich'")
+    # the keys of the recurrent-depth family that only make sense together
+    require(not cfg.max_loop or cfg.max_loop >= cfg.n_loop, f"max_loop={cfg.max_loop} is below "
+            f"n_loop={cfg.n_loop}: the cap on the sampled depth must be >= n_loop (or 0 = 4 x n_loop)")
+    require(cfg.backprop_loops <= cfg.loop_cap, f"backprop_loops={cfg.backprop_loops} exceeds "
+            f"max_loop={cfg.loop_cap}: no step runs that many loops")
+    require(cfg.exit_gate != 'learned' or cfg.supervision != 'terminal', "exit_gate='learned' weights "
+            "every exit's CE: it needs supervision='per_loop', not 'terminal'")
+    require(cfg.exit_entropy == 0 or cfg.exit_gate == 'learned', f"exit_entropy={cfg.exit_entropy!r} "
+            f"is the learned gate's entropy bonus: set exit_gate='learned' (or exit_entropy=0)")
+    require(cfg.inter_loop_norm != 'readout' or cfg.readout in ('rmsnorm', 'layernorm'),
+            f"inter_loop_norm='readout' feeds the readout norm back: it needs readout='rmsnorm' or "
+            f"'layernorm', not {cfg.readout!r}")
+    require(cfg.exit_entropy >= 0, f"exit_entropy={cfg.exit_entropy!r}: must be >= 0")
+    return cfg
+
+
+def parse_depth_scaling(p):
+    # a name, or the exponent p itself (also as a string such as '0.3')
+    bad = f"depth_scaling={p!r}: choose one of none, deepnorm, deeploop, or a number p >= 0"
+    if isinstance(p, str) and p not in DEPTH_EXPONENTS:
+        try:
+            p = float(p)
+        except ValueError:
+            raise ValueError(bad) from None
+    require(not isinstance(p, bool) and isinstance(p, (str, int, float)), bad)
+    require(isinstance(p, str) or 0 <= p < 10, bad)
+    return p
 
 
 def model_keys():
@@ -28,10 +111,10 @@ def model_keys():
 def gpt_config(model_args):
     """GPTConfig from a dict, with a one-line error for a bad value or a key this model.py does not know."""
     try:
-        return GPTConfig(**model_args)
+        return check_model(GPTConfig(**model_args))
     except TypeError as e:  # an unexpected keyword: a checkpoint from another version of model.py
         die(f"model arguments do not fit this model.py: {first_line(e)}")
-    except ValueError as e:  # GPTConfig's own message names the key and the allowed values
+    except ValueError as e:  # check_model's message names the key and the allowed values
         die(str(e))
 
 # -----------------------------------------------------------------------------

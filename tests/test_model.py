@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hardware import attention_path, auto_dtype, peak_flops
-import engine
+from configurator import MODEL_CHOICES, check_model
 from engine import THRESHOLD_RANGES, KVCache, decode_step, generate
+from hardware import attention_path, auto_dtype, peak_flops
 from model import GPT, GPTConfig, LinearCrossEntropy, attention
 
 V, T = 48, 16
@@ -33,10 +33,10 @@ def batch(B=3, seed=1):
                                        ('pos', 'alibi'), ('attn_impl', 'flash')])
 def test_unknown_choice_error_lists_the_allowed_values(key, value):
     with pytest.raises(ValueError) as e:
-        GPTConfig(**{key: value})
+        check_model(GPTConfig(**{key: value}))
     msg = str(e.value)
     assert msg.startswith(f"{key}={value!r}: choose one of")
-    assert ', '.join(__import__('model').MODEL_CHOICES[key]) in msg
+    assert ', '.join(MODEL_CHOICES[key]) in msg
 
 
 @pytest.mark.parametrize('kw,fragment', [(dict(n_embd=30, n_head=4), 'not divisible'),
@@ -45,7 +45,7 @@ def test_unknown_choice_error_lists_the_allowed_values(key, value):
                                          (dict(depth_scaling='deeploop'), "block='postln'")])
 def test_impossible_configs_are_rejected_in_one_line(kw, fragment):
     with pytest.raises(ValueError) as e:
-        GPTConfig(**kw)
+        check_model(GPTConfig(**kw))
     assert fragment in str(e.value) and '\n' not in str(e.value)
 
 

@@ -20,6 +20,7 @@ from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_en
 from test_reliability import assert_clean_error, model_tensors_equal, torchrun_unavailable
 
 import eval_depth
+from configurator import check_model
 from engine import ExitScorer, generate, score_threshold
 from model import GPT, GPTConfig, exit_distribution
 
@@ -207,7 +208,7 @@ def test_adaptive_decoding_with_a_coda_equals_decoding_each_row_alone():
 ])
 def test_impossible_family_configs_are_rejected_in_one_line(kw, fragment):
     with pytest.raises(ValueError) as e:
-        GPTConfig(**kw)
+        check_model(GPTConfig(**kw))
     assert fragment in str(e.value) and '\n' not in str(e.value)
 
 
