@@ -1,0 +1,768 @@
+"""
+The reports of lab/ablate.py's sweeps: markdown tables and PNG plots made from what the runs left in their
+folders, metrics.jsonl (train.py), eval_depth.json (lab/eval_depth.py) and status.json (the runner), and
+from the data's unigram floor. One report per kind of preset: blindspot and growing (docs/papers.md §1),
+deeploop, kappa and escape (docs/papers.md §2), lr_transfer (docs/papers.md §3), recurrent
+(docs/papers.md §4). matplotlib is optional: without it the plots are skipped with a message.
+"""
+import json
+import math
+import os
+
+import numpy as np
+
+TEST_LOOPS = (1, 2, 4, 8, 16)  # the recurrent report's test-time depths
+HALT_POLICIES = ('margin', 'kl', 'gate')  # ... and its exits
+GROWING_STEPS = (150, 600, 1000, 2000, 3000, 5000, 7500, 10_000)  # the growing report's table rows
+ESCAPE_MARGIN = 0.2  # nats: a run 'escaped' the unigram floor if its final val loss < floor - this
+PAPER_ESCAPES = {0.30: '0/5', 0.40: '2/5', 0.50: '3/5', 0.60: '5/5'}  # docs/papers.md §2, GPT-2 small
+
+# -----------------------------------------------------------------------------
+# reading a run's folder (the runner reads it too: finished runs are skipped)
+
+def read_json(path, default=None):
+    try:
+        with open(path, encoding='utf-8') as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return default
+
+
+def read_metrics(run_dir):
+    rows = []
+    try:
+        with open(os.path.join(run_dir, 'metrics.jsonl'), encoding='utf-8') as fh:
+            for line in fh:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    return rows
+
+
+def read_status(run_dir):
+    return read_json(os.path.join(run_dir, 'status.json'), {})
+
+# -----------------------------------------------------------------------------
+# the data's unigram floor (the DeepLoop, kappa_R and escape reports)
+
+def unigram_floor(data_dir):
+    """Cross-entropy (nats/token) on val.bin of the unigram distribution of train.bin (add-1/2 smoothing):
+    the loss of a model that predicts token frequencies and nothing else (docs/papers.md §2's 'unigram
+    floor')."""
+    meta = read_json(os.path.join(data_dir, 'meta.json'))
+    if meta is None:
+        return None
+    dt, V = np.dtype(meta['dtype']), meta['vocab_size']
+    counts = {}
+    for split in ('train', 'val'):
+        data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=dt, mode='r')
+        c = np.zeros(V, dtype=np.float64)
+        for i in range(0, len(data), 1 << 24):
+            c += np.bincount(data[i:i + (1 << 24)], minlength=V)[:V]
+        counts[split] = c
+    p = (counts['train'] + 0.5) / (counts['train'].sum() + 0.5 * V)
+    return float(-(counts['val'] * np.log(p)).sum() / counts['val'].sum())
+
+# -----------------------------------------------------------------------------
+# numbers for the reports: eval_depth.json holds null for every inf or nan (a calibrated threshold of
+# +inf, 'never exit early', an overflowing PPL), metrics.jsonl may hold NaN
+
+def mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def fmt(x, spec='.3f'):
+    """A number for a table: 'n/a' for None (missing, or JSON's null for inf/nan), inf and nan spelled out."""
+    if x is None:
+        return 'n/a'
+    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
+        return str(x)
+    if spec.endswith('f') and abs(x) >= 1e5:  # e.g. the PPL of an untrained early exit
+        return format(x, spec[:-1].split('.')[0] + '.2e')
+    return format(x, spec)
+
+
+def vec(xs, spec):
+    return ' / '.join(fmt(x, spec) for x in xs) if xs else 'n/a'
+
+
+def mean_vec(vs):
+    vs = [v for v in vs if v]
+    return [mean(col) for col in zip(*vs)] if vs else []
+
+
+def floats(xs):
+    """A JSON list of numbers as a float array, null as nan (matplotlib leaves nan out)."""
+    return np.asarray(xs, dtype=float)
+
+
+def row_near(rows, it):
+    return min(rows, key=lambda r: abs(r['iter'] - it)) if rows else None
+
+# -----------------------------------------------------------------------------
+# the blind-spot report: three tables and three plots
+
+def runs_by_arm(jobs):
+    out = {}
+    for j in jobs:
+        run = dict(j, rows=read_metrics(j['out_dir']), status=read_status(j['out_dir']),
+                   depth=read_json(os.path.join(j['out_dir'], 'eval_depth.json')))
+        out.setdefault(j['arm']['name'], []).append(run)
+    return out
+
+
+def depths(runs):
+    return [r['depth'] for r in runs if r['depth']]
+
+
+def scale_row(name, runs):
+    ok = [r for r in runs if r['rows']]
+    last = [r['rows'][-1] for r in ok]
+    half = [row_near(r['rows'], r['rows'][-1]['iter'] / 2) for r in ok]
+    hR_end, hR_half = mean([row['norm'][-1] for row in last]), mean([row['norm'][-1] for row in half])
+    peaks = [max(r['rows'], key=lambda row: row['norm'][-1]) for r in ok]
+    peak = 'n/a'
+    if ok:
+        peak_steps = '/'.join(str(p['iter']) for p in peaks)
+        peak = f"{fmt(mean([p['norm'][-1] for p in peaks]), '.1f')} ({peak_steps})"
+    fails = sum(r['status'].get('train') == 'failed' for r in runs)
+    growth = hR_end / hR_half if hR_end and hR_half else None
+    return (f"| {name} | {len(runs)}{f' ({fails} failed)' if fails else ''} | "
+            f"{vec([row['iter'] for row in last[:1]], 'd')} | "
+            f"{fmt(mean([row['val_loss'] for row in last]), '.4f')} | "
+            f"{vec(mean_vec([row['norm'] for row in last]), '.1f')} | {peak} | "
+            f"{fmt(hR_half, '.1f')} / {fmt(hR_end, '.1f')} | x{fmt(growth, '.2f')} |")
+
+
+def scale_table(arms):
+    return (["### Scale: ||h_k|| at the end of training (mean per-token L2 norm of each loop state, val, "
+             "before readout and before any inter-loop norm)", "",
+             "| arm | seeds | iters | val CE (exit R) | ‖h_k‖ k = 1..R | peak ‖h_R‖ (step) | "
+             "‖h_R‖ at half / end | growth, 2nd half |", "|---|---|---|---|---|---|---|---|"]
+            + [scale_row(name, runs) for name, runs in arms.items()])
+
+
+def depth_row(name, d):
+    if not d:
+        return f"| {name} | n/a | n/a | n/a | n/a | n/a | n/a |"
+    R = d[0]['n_loop']
+    ce = mean_vec([x['fixed']['ce'] for x in d])
+    cal = [x['calibrated'][x['calibrated']['policy']] for x in d]  # its threshold may be null: never exit
+    return (f"| {name} | {vec(ce[:R], '.3f')} | {vec(ce[R:2 * R], '.3f')} | "
+            f"{fmt(mean([x['dppl_1_to_R'] for x in d]), '+.3f')} | "
+            f"{fmt(mean([c['held_avg_loops'] for c in cal]), '.2f')} | "
+            f"{fmt(mean([c['held_ppl_ratio'] for c in cal]), '.4f')} | "
+            f"x{fmt(mean([x['throughput']['speedup'] for x in d]), '.2f')} |")
+
+
+def depth_table(arms):
+    return (["### Depth: val CE at every exit (eval_depth, fixed depth) and what adaptive depth buys", "",
+             "| arm | val CE exit 1..R | CE exits R+1..2R (extrapolation) | ΔPPL exit 1→R | "
+             "calibrated avg loops (margin, held-out) | held-out PPL / fixed-R | "
+             "dynamic batching tok/s vs fixed-R |",
+             "|---|---|---|---|---|---|---|"]
+            + [depth_row(name, depths(runs)) for name, runs in arms.items()])
+
+
+def radial_row(name, d):
+    if not d:
+        return f"| {name} | n/a | n/a | n/a | n/a |"
+    return (f"| {name} | {vec(mean_vec([x['radial_frac']['readout'] for x in d]), '.1e')} | "
+            f"{vec(mean_vec([x['radial_frac']['total'] for x in d]), '.1e')} | "
+            f"{fmt(mean([x['clamp']['radial']['dce'][-1] for x in d]), '+.4f')} | "
+            f"{fmt(mean([x['clamp']['freeze']['dce'][-1] for x in d]), '+.4f')} |")
+
+
+def radial_table(arms):
+    title = "### Does the loss see the scale? Radial gradient fraction and the inference-time radial clamp"
+    return ([title, "",
+             "| arm | radial grad. fraction, exit-k CE via its readout (k = 1..R) | radial grad. fraction, "
+             "training loss (k = 1..R) | ΔCE exit R, radial part of updates removed | ΔCE exit R, states "
+             "rescaled to loop 1's RMS |", "|---|---|---|---|---|"]
+            + [radial_row(name, depths(runs)) for name, runs in arms.items()])
+
+
+def blindspot_report(arms, header, report_dir, prefix):
+    lines = header + scale_table(arms) + [""] + depth_table(arms) + [""] + radial_table(arms)
+    plt = plt_or_none()
+    plots = [] if plt is None else [plot_norms(plt, arms, report_dir, prefix),
+                                    plot_pareto(plt, arms, report_dir, prefix),
+                                    plot_exit_ce(plt, arms, report_dir, prefix)]
+    return lines + [""] + [f"![{p}]({p})" for p in plots]
+
+
+def plt_or_none():
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plots (pip install matplotlib)")
+        return None
+
+
+def save(fig, plt, report_dir, name):
+    fig.savefig(os.path.join(report_dir, name), dpi=90)
+    plt.close(fig)
+    return name
+
+
+def plot_norms(plt, arms, report_dir, prefix):
+    """||h_k|| vs step, one panel per arm, log y."""
+    names = list(arms)
+    ncol = min(5, len(names))
+    nrow = math.ceil(len(names) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3 * ncol, 2.6 * nrow), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for r in arms[name]:
+            rows = r['rows']
+            n_exits = len(rows[0]['norm']) if rows else 0
+            for k in range(n_exits):
+                ax.plot([x['iter'] for x in rows], [x['norm'][k] for x in rows],
+                        color=plt.cm.viridis(k / max(1, n_exits - 1)), lw=1.2,
+                        label=f'k={k + 1}' if r is arms[name][0] else None)
+        ax.set_yscale('log')
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3, which='both')
+    for ax in axes.flat[len(names):]:
+        ax.axis('off')
+    axes.flat[0].legend(fontsize=7, title='loop', title_fontsize=7)
+    fig.supxlabel('training step')
+    fig.supylabel('||h_k|| (mean per-token L2, val)')
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}_norms.png')
+
+
+def plot_pareto(plt, arms, report_dir, prefix):
+    """PPL vs average loops: the adaptive-exit curve (margin policy) and the fixed exits."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ymax, ymin = [], []
+    for i, name in enumerate(arms):
+        d = depths(arms[name])
+        if not d:
+            continue
+        x = d[0]
+        R, color = x['n_loop'], plt.cm.tab10(i % 10)
+        fixed_ppl = floats(x['fixed']['ppl'][:R])  # null (an overflowing PPL) -> nan, not drawn
+        ax.plot(range(1, R + 1), fixed_ppl, 'o', color=color, ms=4)
+        curve = x['adaptive'].get('margin')
+        if curve:
+            order = np.argsort(curve['avg_loops'])
+            ax.plot(floats(curve['avg_loops'])[order], floats(curve['ppl'])[order], '-', color=color, lw=1.2,
+                    label=name)
+        ymax.append(fixed_ppl[-1])
+        ymin.append(np.concatenate([fixed_ppl, floats(curve['ppl'] if curve else [])]))
+    ax.set_yscale('log')
+    lo, hi = np.concatenate(ymin or [[]]), np.array(ymax)
+    if np.isfinite(lo).any() and np.isfinite(hi).any():
+        ax.set_ylim(0.9 * np.nanmin(lo), 3 * np.nanmax(hi))
+    ax.set_xlabel('average loops per sequence')
+    ax.set_ylabel('val PPL')
+    ax.set_title('adaptive exit (margin, lines) and fixed exits (dots): lower-left is better', fontsize=9)
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}_pareto.png')
+
+
+def plot_exit_ce(plt, arms, report_dir, prefix):
+    """Val CE at every exit eval_depth measured (1..4R by default), a dashed line after exit R."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    R = None
+    for i, name in enumerate(arms):
+        d = depths(arms[name])
+        if not d:
+            continue
+        R = d[0]['n_loop']
+        ce = floats(mean_vec([x['fixed']['ce'] for x in d]))
+        ax.plot(range(1, len(ce) + 1), ce, 'o-', ms=3, lw=1.2, color=plt.cm.tab10(i % 10), label=name)
+    if R:
+        ax.axvline(R + 0.5, color='k', ls='--', lw=0.8)
+        ax.text(R + 0.6, ax.get_ylim()[1], 'more loops than trained', va='top', fontsize=7)
+    ax.set_yscale('log')
+    ax.set_xlabel('exit k')
+    ax.set_ylabel('val CE (nats)')
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}_exit_ce.png')
+
+# -----------------------------------------------------------------------------
+# the recurrent-depth report: test-time depth, scale over training, halting by margin / KL / gate
+
+def extrapolation_row(name, runs):
+    d = depths(runs)
+    if not d:
+        return f"| {name} | n/a |" + " n/a |" * (len(TEST_LOOPS) + 1)
+    ce = mean_vec([x['fixed']['ce'] for x in d])
+    at = [ce[n - 1] if n <= len(ce) else None for n in TEST_LOOPS]
+    best = min(range(len(ce)), key=lambda i: ce[i] if ce[i] is not None else math.inf) + 1
+    sampled = d[0]['model_args'].get('loop_sampling', 'fixed') != 'fixed'
+    trained = f"{d[0]['n_loop'] + 1} (mean, sampled)" if sampled else str(d[0]['n_loop'])
+    return f"| {name} | {trained} | " + " | ".join(fmt(c, '.3f') for c in at) + f" | {best} |"
+
+
+def halting_row(name, runs):
+    cal = [x['calibrated'] for x in depths(runs)]
+    cells = []
+    for p in HALT_POLICIES:
+        got = [c[p] for c in cal if p in c]
+        cells.append(f"{fmt(mean([g['held_avg_loops'] for g in got]), '.2f')} / "
+                     f"{fmt(mean([g['held_ppl_ratio'] for g in got]), '.4f')}" if got else "n/a")
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def recurrent_report(arms, header, report_dir, prefix):
+    lines = header + [
+        "### Test-time depth: val CE (eval_depth, fixed depth) at loops "
+        + ", ".join(map(str, TEST_LOOPS)), "",
+        "| arm | trained loops | " + " | ".join(f"CE @ {n}" for n in TEST_LOOPS) + " | best loop |",
+        "|---|---|" + "---|" * (len(TEST_LOOPS) + 1)] + [extrapolation_row(n, r) for n, r in arms.items()]
+    lines += [""] + scale_table(arms) + ["", "### Calibrated halting (held-out half): average loops / PPL "
+              "relative to fixed depth R, per exit policy", "",
+              "| arm | " + " | ".join(HALT_POLICIES) + " |", "|---|" + "---|" * len(HALT_POLICIES)]
+    lines += [halting_row(n, r) for n, r in arms.items()]
+    plt = plt_or_none()
+    plots = [] if plt is None else [plot_norms(plt, arms, report_dir, prefix),
+                                    plot_exit_ce(plt, arms, report_dir, prefix)]
+    return lines + [""] + [f"![{p}]({p})" for p in plots]
+
+# -----------------------------------------------------------------------------
+# the "still growing" report: ||h_R|| and CE at fixed steps of a long run, both over training in one plot
+
+def growing_row(name, run, step):
+    row = row_near(run['rows'], step)
+    if row is None or abs(row['iter'] - step) > 25:
+        return f"| {name} | {step} | n/a | n/a | n/a |"
+    return (f"| {name} | {row['iter']} | {vec(row['norm'], '.1f')} | {vec(row['val_ce'], '.3f')} | "
+            f"{vec(row['train_ce'], '.3f')} |")
+
+
+def growing_table(arms):
+    lines = ["### ||h_k|| and CE over training (first seed of each arm; train CE on its eval batches)", "",
+             "| arm | step | ‖h_k‖ k = 1..R | val CE exit 1..R | train CE exit 1..R |",
+             "|---|---|---|---|---|"]
+    for name, runs in arms.items():
+        for run in runs[:1]:
+            last = run['rows'][-1]['iter'] if run['rows'] else -1
+            lines += [growing_row(name, run, s) for s in GROWING_STEPS if s <= last]
+    return lines
+
+
+def plot_growing(plt, arms, report_dir, prefix):
+    """Top: ||h_k|| vs step (log y), one color per arm, one shade per loop. Bottom: val CE at exit R."""
+    fig, (ax_n, ax_ce) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    ces = [x[f'{split}_ce'][-1] for runs in arms.values() for r in runs[:1] for x in r['rows']
+           for split in ('val', 'train')]
+    for i, (name, runs) in enumerate(arms.items()):
+        rows = runs[0]['rows'] if runs else []
+        if not rows:
+            continue
+        steps, R = [x['iter'] for x in rows], len(rows[0]['norm'])
+        cmap = (plt.cm.Reds, plt.cm.Blues, plt.cm.Greens)[i % 3]
+        for k in range(R):
+            ax_n.plot(steps, [x['norm'][k] for x in rows], color=cmap(0.4 + 0.6 * k / max(1, R - 1)), lw=1.1,
+                      label=f'{name}, k={k + 1}')
+        ax_ce.plot(steps, [x['val_ce'][-1] for x in rows], color=cmap(0.9), lw=1.2, label=f'{name}, val')
+        ax_ce.plot(steps, [x['train_ce'][-1] for x in rows], color=cmap(0.9), lw=0.8, ls=':',
+                   label=f'{name}, train')
+    ax_n.set_yscale('log')
+    ax_n.set_ylabel('||h_k|| (mean per-token L2, val)')
+    ax_n.legend(fontsize=7, ncol=2)
+    ax_ce.set_ylabel('CE at exit R (nats)')
+    if ces:
+        ax_ce.set_ylim(min(ces) - 0.1, min(4.0, max(ces)) + 0.1)  # the first evals' CE is off the scale
+    ax_ce.set_xlabel('training step')
+    ax_ce.legend(fontsize=7)
+    for ax in (ax_n, ax_ce):
+        ax.grid(alpha=0.3, which='both')
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}.png')
+
+
+def growing_report(arms, header, report_dir, prefix):
+    lines = header + scale_table(arms) + [""] + growing_table(arms) + [""] + depth_table(arms) + [""] \
+        + radial_table(arms)
+    plt = plt_or_none()
+    if plt is not None:
+        name = plot_growing(plt, arms, report_dir, prefix)
+        lines += ["", f"![{name}]({name})"]
+    return lines
+
+# -----------------------------------------------------------------------------
+# the DeepLoop report: escaped runs per variant x (R, lr), and the loss curves
+
+def floor_lines(floor):
+    if floor is None:
+        return ["(unigram floor unknown: the dataset's meta.json was not found)", ""]
+    return [f"Unigram floor (cross-entropy on val of the train unigram distribution): **{floor:.4f} nats**. "
+            f"A run *escaped* if its final val loss < floor - {ESCAPE_MARGIN} = "
+            f"{floor - ESCAPE_MARGIN:.4f}.", ""]
+
+
+def final_loss(run):
+    return run['rows'][-1]['val_loss'] if run['rows'] and run['status'].get('train') == 'done' else None
+
+
+def escaped(run, floor):
+    v = final_loss(run)
+    return v is not None and floor is not None and math.isfinite(v) and v < floor - ESCAPE_MARGIN
+
+
+def runs_of(runs, **tags):
+    # the runs of one cell of a report: those whose arm carries every given tag, e.g. variant=v, R=4
+    return [r for r in runs if all(r['arm']['tags'].get(k) == v for k, v in tags.items())]
+
+
+def loss_cell(rs, floor):
+    if not rs:
+        return ''
+    vals = ' / '.join('failed' if r['status'].get('train') == 'failed' else fmt(final_loss(r), '.3f')
+                      for r in rs)
+    return f"{vals} ({sum(escaped(r, floor) for r in rs)}/{len(rs)})"
+
+
+def loss_table(runs, variants, Rs, lrs, floor):
+    lines = ["Final val loss (exit R) per seed, and escaped runs / seeds:", "",
+             "| variant | " + " | ".join(f"R={R}, lr={lr:g}" for lr in lrs for R in Rs) + " |",
+             "|---|" + "---|" * (len(Rs) * len(lrs))]
+    for v in variants:
+        cells = [loss_cell(runs_of(runs, variant=v, R=R, lr=lr), floor) for lr in lrs for R in Rs]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix):
+    """Val loss vs step, one panel per (lr, R), one color per variant, the unigram floor dotted."""
+    fig, axes = plt.subplots(len(lrs), len(Rs), figsize=(3.4 * len(Rs), 2.8 * len(lrs)), sharex=True,
+                             sharey=True, squeeze=False)
+    for i, lr in enumerate(lrs):
+        for j, R in enumerate(Rs):
+            ax = axes[i][j]
+            for c, v in enumerate(variants):
+                for s, r in enumerate(runs_of(runs, variant=v, R=R, lr=lr)):
+                    if r['rows']:
+                        ax.plot([x['iter'] for x in r['rows']], [x['val_loss'] for x in r['rows']],
+                                color=plt.cm.tab10(c), lw=1.1, ls='-' if s == 0 else '--',
+                                label=v if s == 0 else None)
+            if floor is not None:
+                ax.axhline(floor, color='k', lw=0.8, ls=':')
+            ax.set_title(f'R={R}, lr={lr:g}', fontsize=9)
+            ax.grid(alpha=0.3)
+    top = max([r['rows'][0]['val_loss'] for r in runs if r['rows']] + [floor or 0])
+    axes[0][0].set_ylim(max(0.0, min([x['val_loss'] for r in runs for x in r['rows']] + [top]) - 0.1),
+                        min(top, (floor or top) + 1.5) + 0.1)
+    from matplotlib.lines import Line2D
+    axes[0][-1].legend([Line2D([], [], color=plt.cm.tab10(c)) for c in range(len(variants))], variants,
+                       fontsize=7)
+    fig.supxlabel('training step (dotted: unigram floor; dashed: 2nd seed)')
+    fig.supylabel('val loss (exit R)')
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}_loss.png')
+
+
+def deeploop_report(arms, header, report_dir, prefix, floor):
+    runs = [r for rs in arms.values() for r in rs]
+    variants = list(dict.fromkeys(r['arm']['tags']['variant'] for r in runs))
+    Rs = sorted({r['arm']['tags']['R'] for r in runs})
+    lrs = sorted({r['arm']['tags']['lr'] for r in runs})
+    lines = header + floor_lines(floor) + loss_table(runs, variants, Rs, lrs, floor)
+    plt = plt_or_none()
+    if plt is not None:
+        name = plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix)
+        lines.append(f"![{name}]({name})")
+    return lines
+
+# -----------------------------------------------------------------------------
+# the kappa_R report: visit alignment vs R at a few points in training, and its exponent gamma
+
+def kappa_series(run):
+    """[(iter, kappa_R)] of a run's metrics rows that hold a kappa (train.py's log_kappa)."""
+    return [(x['iter'], x['kappa']) for x in run['rows'] if x.get('kappa') is not None]
+
+
+def kappa_at(runs, it):
+    """kappa_R at the eval nearest step `it`, mean over the runs (seeds) that logged one."""
+    series = [kappa_series(r) for r in runs]
+    return mean([min(s, key=lambda p: abs(p[0] - it))[1] for s in series if s])
+
+
+def kappa_late(runs):
+    """kappa_R averaged over the evals of the second half of training (less noisy than one eval's batch),
+    mean over the runs (seeds)."""
+    series = [kappa_series(r) for r in runs]
+    return mean([mean([k for it, k in s if it >= s[-1][0] / 2]) for s in series if s])
+
+
+def fit_gamma(Rs, kappas, min_R=2):
+    """gamma of kappa_R ~ c R^gamma: the least-squares slope of log kappa_R on log R over R >= min_R
+    (docs/papers.md §2). None with fewer than two usable points (missing or kappa <= 0)."""
+    pts = [(math.log(R), math.log(k)) for R, k in zip(Rs, kappas) if R >= min_R and k is not None and k > 0]
+    if len(pts) < 2:
+        return None
+    x, y = np.array(pts).T
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def kappa_steps(runs, n=4):
+    """n training points: step 0, the last eval, and evenly spaced evals in between."""
+    last = max((r['rows'][-1]['iter'] for r in runs if r['rows']), default=0)
+    return sorted({round(last * i / (n - 1)) for i in range(n)})
+
+
+def kappa_table(runs, variants, Rs, steps):
+    by = {(v, R): runs_of(runs, variant=v, R=R) for v in variants for R in Rs}
+    lines = ["kappa_R (mean over the shared matrices, one fixed training batch; R when the visits' gradients "
+             "align, 1 when orthogonal), and gamma of kappa_R ~ c R^gamma fitted on log-log by least squares "
+             "over R >= 2 (kappa_1 = 1 by definition) and over all R:", "",
+             "| variant | step | " + " | ".join(f"κ R={R}" for R in Rs) + " | γ (R ≥ 2) | γ (all R) |",
+             "|---|---|" + "---|" * (len(Rs) + 2)]
+    for v in variants:
+        for it in steps:
+            ks = [kappa_at(by[v, R], it) for R in Rs]
+            lines.append(f"| {v} | {it} | " + " | ".join(fmt(k, '.3f') for k in ks)
+                         + f" | {fmt(fit_gamma(Rs, ks), '+.3f')} | {fmt(fit_gamma(Rs, ks, 1), '+.3f')} |")
+        ks = [kappa_late(by[v, R]) for R in Rs]
+        lines.append(f"| {v} | mean, 2nd half | " + " | ".join(fmt(k, '.3f') for k in ks)
+                     + f" | {fmt(fit_gamma(Rs, ks), '+.3f')} | {fmt(fit_gamma(Rs, ks, 1), '+.3f')} |")
+    return lines + [""]
+
+
+def final_loss_table(runs, variants, Rs, floor):
+    lines = ["Final val loss (exit R) per seed, and escaped runs / seeds (unigram floor rule):", "",
+             "| variant | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]
+    for v in variants:
+        cells = [loss_cell(runs_of(runs, variant=v, R=R), floor) for R in Rs]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def plot_kappa(plt, runs, variants, Rs, report_dir, prefix):
+    """kappa_R vs step, one panel per variant, one line per R (dashed: further seeds)."""
+    fig, axes = plt.subplots(1, len(variants), figsize=(3.4 * len(variants), 3.2), sharey=True, squeeze=False)
+    for ax, v in zip(axes[0], variants):
+        for c, R in enumerate(Rs):
+            for s, r in enumerate(runs_of(runs, variant=v, R=R)):
+                pts = kappa_series(r)
+                if pts:
+                    ax.plot(*zip(*pts), color=plt.cm.viridis(c / max(1, len(Rs) - 1)), lw=1.2,
+                            ls='-' if s == 0 else '--', label=f'R={R}' if s == 0 else None)
+        ax.set_yscale('log', base=2)
+        ax.set_title(v, fontsize=9)
+        ax.grid(alpha=0.3, which='both')
+    axes[0][0].legend(fontsize=7)
+    fig.supxlabel('training step')
+    fig.supylabel('κ_R (log2)')
+    fig.suptitle('κ_R = ‖Σ_r G_r‖² / Σ_r ‖G_r‖²: 1 when the R visits are orthogonal, R when aligned',
+                 fontsize=9)
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}_over_training.png')
+
+
+def plot_gamma(plt, runs, variants, Rs, report_dir, prefix):
+    """gamma (fit over R >= 2) at every eval step, one line per variant; 0 and 1 dotted."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for c, v in enumerate(variants):
+        vruns = runs_of(runs, variant=v)
+        steps = sorted({it for r in vruns for it, _ in kappa_series(r)})
+        gammas = [fit_gamma(Rs, [kappa_at(runs_of(vruns, R=R), it) for R in Rs])
+                  for it in steps]
+        ax.plot(steps, [np.nan if g is None else g for g in gammas], 'o-', ms=2.5, lw=1.2,
+                color=plt.cm.tab10(c), label=v)
+    for y in (0, 1):
+        ax.axhline(y, color='k', lw=0.8, ls=':')
+    ax.set_title('γ = 0: visits decorrelate (p = 1/4 suffices); γ = 1: visits align (p = 1/2)', fontsize=9)
+    return finish_plot(fig, ax, plt, 'training step', 'γ of κ_R ≈ c R^γ (fit over R = 2, 4, 8)',
+                       os.path.join(report_dir, f'{prefix}_gamma.png'))
+
+
+def finish_plot(fig, ax, plt, xlabel, ylabel, path):
+    """Axis labels, grid, legend and layout of a one-panel report plot, saved to path."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, plt, *os.path.split(path))
+
+
+def kappa_report(arms, header, report_dir, prefix, floor):
+    runs = [r for rs in arms.values() for r in rs]
+    variants = list(dict.fromkeys(r['arm']['tags']['variant'] for r in runs))
+    Rs = sorted({r['arm']['tags']['R'] for r in runs})
+    lines = (header + kappa_table(runs, variants, Rs, kappa_steps(runs)) + floor_lines(floor)
+             + final_loss_table(runs, variants, Rs, floor))
+    plt = plt_or_none()
+    if plt is not None:
+        for name in (plot_kappa(plt, runs, variants, Rs, report_dir, prefix),
+                     plot_gamma(plt, runs, variants, Rs, report_dir, prefix)):
+            lines.append(f"![{name}]({name})")
+    return lines
+
+# -----------------------------------------------------------------------------
+# the LR-transfer report: final val loss vs LR, one curve per R, with and without loop-scaled residuals
+
+def lr_losses(runs, eps, R, lr):
+    """Final val losses of the finished seeds of one cell (nan where a run diverged)."""
+    return [final_loss(r) for r in runs_of(runs, eps=eps, R=R, lr=lr) if final_loss(r) is not None]
+
+
+def lr_mean(runs, eps, R, lr):
+    vals = [v for v in lr_losses(runs, eps, R, lr) if math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def best_lr(runs, eps, R, lrs):
+    means = {lr: lr_mean(runs, eps, R, lr) for lr in lrs}
+    means = {lr: m for lr, m in means.items() if m is not None}
+    return min(means, key=means.get) if means else None
+
+
+def lr_table(runs, eps, Rs, lrs):
+    what = "with eps = 1/(R sqrt K) (config/loop_eps.py)" if eps else "without eps (plain pre-norm)"
+    lines = [f"Final val loss (exit R), mean of seeds (each seed in brackets), {what}; best LR in bold:", "",
+             "| R | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best LR |",
+             "|---|" + "---|" * (len(lrs) + 1)]
+    for R in Rs:
+        best, cells = best_lr(runs, eps, R, lrs), []
+        for lr in lrs:
+            m, seeds = lr_mean(runs, eps, R, lr), lr_losses(runs, eps, R, lr)
+            cell = f"{fmt(m, '.3f')} ({' / '.join(fmt(v, '.3f') for v in seeds)})"
+            cells.append(f"**{cell}**" if lr == best else cell)
+        lines.append(f"| {R} | " + " | ".join(cells) + f" | {fmt(best, 'g')} |")
+    return lines + [""]
+
+
+def plot_lr_transfer(plt, runs, Rs, lrs, report_dir, prefix):
+    """Final val loss vs LR (log x), one curve per R; left without eps, right with."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
+    for ax, eps in zip(axes, (False, True)):
+        for c, R in enumerate(Rs):
+            ys = [lr_mean(runs, eps, R, lr) for lr in lrs]
+            ax.plot(lrs, [np.nan if y is None else y for y in ys], 'o-', lw=1.2,
+                    color=plt.cm.viridis(c / max(1, len(Rs) - 1)), label=f'R={R}')
+        ax.set_xscale('log')
+        ax.set_title('pre-norm + eps = 1/(R√K)' if eps else 'pre-norm, no eps', fontsize=9)
+        ax.set_xlabel('learning rate')
+        ax.grid(alpha=0.3, which='both')
+    axes[0].set_ylabel('final val loss (exit R), mean of seeds')
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}.png')
+
+
+def lr_transfer_report(arms, header, report_dir, prefix):
+    runs = [r for rs in arms.values() for r in rs]
+    Rs = sorted({r['arm']['tags']['R'] for r in runs})
+    lrs = sorted({r['arm']['tags']['lr'] for r in runs})
+    lines = header + lr_table(runs, False, Rs, lrs) + lr_table(runs, True, Rs, lrs)
+    plt = plt_or_none()
+    if plt is not None:
+        name = plot_lr_transfer(plt, runs, Rs, lrs, report_dir, prefix)
+        lines.append(f"![{name}]({name})")
+    return lines
+
+# -----------------------------------------------------------------------------
+# the escape report: runs that left the unigram floor per p, beside the paper's p-sweep
+
+def escape_table(runs, ps, floor):
+    lines = ["| p | escaped here | final val loss per seed | paper (GPT-2 small, R = 3, ~2,700 steps) |",
+             "|---|---|---|---|"]
+    for p in ps:
+        rs = runs_of(runs, p=p)
+        vals = ' / '.join('failed' if r['status'].get('train') == 'failed' else fmt(final_loss(r), '.3f')
+                          for r in rs)
+        lines.append(f"| {p:g} | {sum(escaped(r, floor) for r in rs)}/{len(rs)} | {vals} | "
+                     f"{PAPER_ESCAPES.get(p, 'not run')} |")
+    return lines + [""]
+
+
+def plot_escape(plt, runs, ps, floor, report_dir, prefix):
+    """Val loss vs step, one color per p (every seed drawn), the unigram floor dotted."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c, p in enumerate(ps):
+        for s, r in enumerate(runs_of(runs, p=p)):
+            if r['rows']:
+                ax.plot([x['iter'] for x in r['rows']], [x['val_loss'] for x in r['rows']], lw=1,
+                        color=plt.cm.plasma(c / max(1, len(ps) - 1)), label=f'p={p:g}' if s == 0 else None)
+    if floor is not None:
+        ax.axhline(floor, color='k', lw=0.8, ls=':')
+        ax.set_ylim(min([x['val_loss'] for r in runs for x in r['rows']] + [floor]) - 0.1, floor + 1.0)
+    return finish_plot(fig, ax, plt, 'training step (dotted: unigram floor)', 'val loss (exit R)',
+                       os.path.join(report_dir, f'{prefix}_loss.png'))
+
+
+def escape_report(arms, header, report_dir, prefix, floor):
+    runs = [r for rs in arms.values() for r in rs]
+    ps = sorted({r['arm']['tags']['p'] for r in runs})
+    lines = header + floor_lines(floor) + escape_table(runs, ps, floor)
+    plt = plt_or_none()
+    if plt is not None:
+        name = plot_escape(plt, runs, ps, floor, report_dir, prefix)
+        lines.append(f"![{name}]({name})")
+    return lines
+
+# -----------------------------------------------------------------------------
+# writing the report
+
+def report_header(preset, jobs, n_arms, args, sweep):
+    cfg0 = jobs[0]['cfg']
+    sizes = (f"{cfg0['dataset']}, d {cfg0['n_embd']}, K {cfg0['n_layer']}, block {cfg0['block_size']}, batch "
+             f"{cfg0['batch_size']}x{cfg0['gradient_accumulation_steps']}, {cfg0['max_iters']} steps, "
+             f"{cfg0['lr_schedule']} lr, init {cfg0['init']}")
+    seeds = sorted({j['seed'] for j in jobs})
+    command = sweep.get('command') or args.command.replace(' --report_only', '')
+    train_minutes = sum(read_status(j['out_dir']).get('train_seconds', 0) for j in jobs) / 60
+    return [f"## {preset['title']}", "",
+            f"`{command}`: {n_arms} arms x {len(seeds)} seed(s) ({', '.join(map(str, seeds))}); {sizes}"
+            + (f"; base {' '.join(args.base)}" if args.base else '') + ".",
+            f"Wall time of the last sweep call: {fmt(sweep.get('wall_seconds', 0) / 60, '.1f')} min with "
+            f"{sweep.get('workers', '?')} run(s) at a time, "
+            f"{sweep.get('cores_per_run', '?')} CPU core(s) each; "
+            f"train time summed over runs: {train_minutes:.1f} min.",
+            f"Code: commit {sweep.get('commit', '?')}; dtype {sweep.get('dtype', '?')}.",
+            ""]
+
+
+def summary(arms):
+    """<prefix>.json: per arm and seed, the status, the last metrics row and eval_depth's main results."""
+    keys = ('fixed', 'dppl_1_to_R', 'calibrated', 'clamp', 'radial_frac', 'throughput')
+    return {name: [dict(seed=r['seed'], status=r['status'], final=r['rows'][-1] if r['rows'] else None,
+                        depth={k: r['depth'][k] for k in keys} if r['depth'] else None)
+                   for r in runs] for name, runs in arms.items()}
+
+
+def write_report(preset_name, preset, jobs, args, sweep):
+    arms = runs_by_arm(jobs)
+    os.makedirs(args.report_dir, exist_ok=True)
+    header = report_header(preset, jobs, len(arms), args, sweep)
+    prefix = preset_name
+    floor = unigram_floor(os.path.join('data', jobs[0]['cfg']['dataset'])) \
+        if preset['report'] in ('deeploop', 'kappa', 'escape') else None
+    if preset['report'] == 'blindspot':
+        lines = blindspot_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'recurrent':
+        lines = recurrent_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'growing':
+        lines = growing_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'kappa':
+        lines = kappa_report(arms, header, args.report_dir, prefix, floor)
+    elif preset['report'] == 'lr_transfer':
+        lines = lr_transfer_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'escape':
+        lines = escape_report(arms, header, args.report_dir, prefix, floor)
+    else:
+        lines = deeploop_report(arms, header, args.report_dir, prefix, floor)
+    path = os.path.join(args.report_dir, f'{prefix}.md')
+    with open(path, 'w', encoding='utf-8') as fh:
+        fh.write('\n'.join(lines) + '\n')
+    with open(os.path.join(args.report_dir, f'{prefix}.json'), 'w', encoding='utf-8') as fh:
+        json.dump(summary(arms), fh, indent=1)
+    print(f"report: {path}")
+    return path
