@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 from errors import die, duration, first_line
-from eval_depth import visit_alignment
+from diagnostics import visit_alignment
 from hardware import auto_dtype
 from model import GPT, GPTConfig
 from prepare import open_data

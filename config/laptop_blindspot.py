@@ -1,5 +1,5 @@
-# Paper 1 (readout blind spot) at laptop size: the base config of `python ablate.py blindspot`, which adds one
-# arm file (config/loop_raw.py, ...) per run (docs/papers.md §1, "Where nanoloop departs from the paper").
+# Paper 1 (readout blind spot) at laptop size: the base config of `python lab/ablate.py blindspot`, which adds
+# one arm file (config/loop_raw.py, ...) per run (docs/papers.md §1, "Where nanoloop departs from the paper").
 # d 128, K 2, R 4 on Tiny Shakespeare characters, AdamW 3e-4 constant with no warmup, betas (0.9, 0.999),
 # wd 0.01, clip 1.0, reference init (wte ~ N(0, 1)). One run per CPU core, ~13 min each (assets/blindspot.md).
 # One arm by hand: python train.py config/laptop_blindspot.py config/loop_raw.py --out_dir=out-laptop-raw

@@ -1,4 +1,4 @@
-# Paper 2 (DeepLoop) at laptop size: the base config of `python ablate.py deeploop`, which sets block,
+# Paper 2 (DeepLoop) at laptop size: the base config of `python lab/ablate.py deeploop`, which sets block,
 # depth_scaling, n_loop and learning_rate per run (docs/papers.md §2, "Project readings where the paper is
 # silent"). Char-level Tiny Shakespeare, d 128, K 2, GPT-2 init, RoPE, GELU MLP and terminal supervision as in
 # config/deeploop_small.py; constant LR with no warmup (a warmup would hide exactly the early instability this

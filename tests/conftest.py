@@ -1,5 +1,5 @@
 """
-Shared test set-up: the repo on sys.path, the offline data copies, and small data and checkpoints.
+Shared test set-up: the repo and lab/ on sys.path, the offline data copies, and small data and checkpoints.
 
 Fixtures
   repo_dir      the repository root
@@ -22,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 OFFLINE = Path(os.environ['NANOLOOP_OFFLINE_DATA']) if os.environ.get('NANOLOOP_OFFLINE_DATA') else None
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / 'lab'))  # the lab's scripts: import ablate, bench, eval_depth
 # tiktoken reads its GPT-2 files from its cache folder before it tries the network
 if OFFLINE is not None and (OFFLINE / 'tiktoken_cache').is_dir():
     os.environ.setdefault('TIKTOKEN_CACHE_DIR', str(OFFLINE / 'tiktoken_cache'))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ablate
+import reports
 
 TINY = """\
 # a tiny laptop config for the tests: 5 iterations of a d-16 model on tiny_char
@@ -135,7 +136,7 @@ def test_growing_report_tabulates_norms_at_fixed_steps(tmp_path, monkeypatch):
         j['cfg'] = dict(dataset='d', n_embd=1, n_layer=1, block_size=1, batch_size=1,
                         gradient_accumulation_steps=1, max_iters=1000, lr_schedule='c', init='i')
     args = ablate.parse_args(['growing', '--out=runs', '--report_dir=rep', '--seeds=1'])
-    md = open(ablate.write_report('growing', ablate.PRESETS['growing'], jobs, args, {})).read()
+    md = open(reports.write_report('growing', ablate.PRESETS['growing'], jobs, args, {})).read()
     assert '| loop_rmsnorm | 600 | 700.0 / 1400.0 | 2.400 / 2.300 | 2.400 / 2.300 |' in md
     assert '| loop_raw | 1000 | 1010.0 / 2020.0 | 2.000 / 1.900 |' in md
     assert '| loop_rmsnorm | 2000 |' not in md  # only steps the run reached
@@ -154,7 +155,7 @@ def test_deeploop_report_counts_runs_below_the_unigram_floor(tiny_data, tiny_con
     arms = [ablate.arm(f'{v}-R2', n_loop=2, tags=dict(variant=v, R=2, lr=1e-3)) for v in ('good', 'stuck')]
     monkeypatch.setitem(ablate.PRESETS, 'tinyloop', dict(title='t', laptop=tiny_config, seeds=(1,),
                                                          eval_depth=False, report='deeploop', arms=arms))
-    floor = ablate.unigram_floor(str(tiny_data))
+    floor = reports.unigram_floor(str(tiny_data))
     write_run('runs/good-R2-s1', [4.0, floor - 1.0])
     write_run('runs/stuck-R2-s1', [4.0, floor])
     ablate.main(['tinyloop', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
@@ -202,7 +203,7 @@ def test_unigram_floor_of_uniform_tokens_is_log_v(tmp_path):
     np.tile(np.arange(4, dtype=np.uint16), 1000).tofile(d / 'train.bin')
     np.tile(np.arange(4, dtype=np.uint16), 100).tofile(d / 'val.bin')
     (d / 'meta.json').write_text(json.dumps(dict(vocab_size=4, dtype='uint16')))
-    assert ablate.unigram_floor(str(d)) == pytest.approx(math.log(4), rel=1e-6)
+    assert reports.unigram_floor(str(d)) == pytest.approx(math.log(4), rel=1e-6)
 
 
 def test_paper_scale_dry_run_composes_the_base_config(repo_dir, monkeypatch, capsys):
@@ -216,8 +217,8 @@ def test_paper_scale_dry_run_composes_the_base_config(repo_dir, monkeypatch, cap
 
 
 def test_fmt_spells_out_missing_and_infinite_values():
-    assert ablate.fmt(None) == 'n/a' and ablate.fmt(math.inf, '.2f') == 'inf'
-    assert ablate.vec([1.0, None], '.1f') == '1.0 / n/a' and ablate.mean([None, 1.0, 3.0]) == 2.0
+    assert reports.fmt(None) == 'n/a' and reports.fmt(math.inf, '.2f') == 'inf'
+    assert reports.vec([1.0, None], '.1f') == '1.0 / n/a' and reports.mean([None, 1.0, 3.0]) == 2.0
 
 
 def test_unknown_arm_dies_with_one_line(capsys):
@@ -230,13 +231,13 @@ def test_unknown_arm_dies_with_one_line(capsys):
 def test_bad_set_key_dies_with_the_configurators_one_line(repo_dir, monkeypatch, capsys):
     monkeypatch.chdir(repo_dir)
     with pytest.raises(SystemExit):
-        ablate.main(['blindspot', '--only=loop_raw', '--set', 'n_lopp=8', '--dry_run'])
+        ablate.main(['blindspot', '--only=loop_raw', '--n_lopp=8', '--dry_run'])
     err = capsys.readouterr().err
     assert err == "error: unknown config key 'n_lopp'; did you mean n_loop?\n"
 
 
 def test_bad_flag_prints_one_error_line(repo_dir):
-    proc = subprocess.run([sys.executable, 'ablate.py', 'blindspot', '--bogus'], cwd=repo_dir,
+    proc = subprocess.run([sys.executable, 'lab/ablate.py', 'blindspot', '--bogus'], cwd=repo_dir,
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == ''
     assert proc.stderr.startswith('error: unrecognized arguments: --bogus') and proc.stderr.count('\n') == 1
@@ -287,10 +288,10 @@ def test_theory_presets_plan_their_grids_as_train_py_resolves_them(repo_dir, mon
 
 def test_gamma_is_the_log_log_slope_of_kappa_against_R():
     Rs = [1, 2, 4, 8]
-    assert ablate.fit_gamma(Rs, [2.0 * R ** 0.5 for R in Rs]) == pytest.approx(0.5)
-    assert ablate.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3]) == pytest.approx(0.0, abs=1e-12)  # R = 1 left out
-    assert ablate.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3], min_R=1) > 0.05                 # unless asked
-    assert ablate.fit_gamma(Rs, [1.0, None, 0.0, 2.0]) is None  # fewer than two usable points
+    assert reports.fit_gamma(Rs, [2.0 * R ** 0.5 for R in Rs]) == pytest.approx(0.5)
+    assert reports.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3]) == pytest.approx(0.0, abs=1e-12)  # R = 1 left out
+    assert reports.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3], min_R=1) > 0.05                 # unless asked
+    assert reports.fit_gamma(Rs, [1.0, None, 0.0, 2.0]) is None  # fewer than two usable points
 
 
 def write_rows(d, rows, status='done'):
@@ -336,7 +337,7 @@ def test_escape_report_counts_escapes_beside_the_papers(tiny_data, tiny_config, 
     arms = [ablate.arm(f'p{p:g}', tags=dict(p=p)) for p in (0.3, 0.6)]
     monkeypatch.setitem(ablate.PRESETS, 'tinyesc', dict(title='t', laptop=tiny_config, seeds=(1, 2),
                                                         eval_depth=False, report='escape', arms=arms))
-    floor = ablate.unigram_floor(str(tiny_data))
+    floor = reports.unigram_floor(str(tiny_data))
     for s, v in ((1, floor), (2, floor - 1.0)):
         write_rows(f'runs/p0.3-s{s}', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=v)])
         write_rows(f'runs/p0.6-s{s}', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=floor - 1.0)])

@@ -129,7 +129,7 @@ def test_matmul_ceiling_is_plausible():
                                         ('--repeats=-1', '--repeats=-1: must be >= 0'),
                                         ('--only=mfu,speed', '--only=speed: choose among')])
 def test_a_bad_flag_is_one_error_line(repo_dir, flag, says):
-    out = subprocess.run([sys.executable, 'bench.py', flag], cwd=repo_dir, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, 'lab/bench.py', flag], cwd=repo_dir, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr

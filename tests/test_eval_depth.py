@@ -1,5 +1,6 @@
 """
-eval_depth.py: every diagnostic on a tiny model with a known answer (docs/papers.md §1).
+lab/eval_depth.py and diagnostics.py: every diagnostic on a tiny model with a known answer
+(docs/papers.md §1).
 """
 import json
 import math
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import diagnostics
 import eval_depth as ed
 from model import GPT, GPTConfig
 
@@ -31,16 +33,16 @@ def test_radial_clamp_is_a_noop_on_a_purely_tangential_update():
     # make the update orthogonal to h_prev
     delta -= (delta * h_prev).sum(-1, keepdim=True) / h_prev.pow(2).sum(-1, keepdim=True) * h_prev
     h_new = h_prev + delta
-    assert torch.allclose(ed.remove_radial(h_new, h_prev), h_new, atol=1e-5)
+    assert torch.allclose(diagnostics.remove_radial(h_new, h_prev), h_new, atol=1e-5)
     # a purely radial update (the state only grows) is removed entirely
-    assert torch.allclose(ed.remove_radial(2.5 * h_prev, h_prev), h_prev, atol=1e-4)
+    assert torch.allclose(diagnostics.remove_radial(2.5 * h_prev, h_prev), h_prev, atol=1e-4)
 
 
 def test_freeze_clamp_rescales_every_loop_to_loop_one_rms():
     model = tiny(n_loop=4)
     X, _ = batch()
     with torch.no_grad():
-        hs = ed.clamped_states(model, X, clamp='freeze')
+        hs = diagnostics.clamped_states(model, X, clamp='freeze')
     rms = lambda h: h.pow(2).mean(-1).sqrt()
     for h in hs[1:]:
         assert torch.allclose(rms(h), rms(hs[0]), rtol=1e-4)
@@ -63,7 +65,7 @@ def test_freeze_clamped_state_is_what_enters_the_next_loop(loop_norm):
         for _ in range(3):
             h = blocks(model, model.transformer.ln_loop(hs[-1]))
             hs.append(h * rms(hs[0]) / rms(h))
-        for k, (a, b) in enumerate(zip(ed.clamped_states(model, X, clamp='freeze'), hs), start=1):
+        for k, (a, b) in enumerate(zip(diagnostics.clamped_states(model, X, clamp='freeze'), hs), start=1):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), k
 
 
@@ -78,11 +80,11 @@ def test_radial_clamp_removes_the_radial_update_and_feeds_the_clamped_state_forw
             x = model.transformer.ln_loop(hs[-1])
             delta = blocks(model, x) - x
             hs.append(x + delta - (delta * x).sum(-1, keepdim=True) / x.pow(2).sum(-1, keepdim=True) * x)
-        clamped = ed.clamped_states(model, X, clamp='radial')
+        clamped = diagnostics.clamped_states(model, X, clamp='radial')
         for k, (a, b) in enumerate(zip(clamped, hs), start=1):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), k
         # the clamp is not a no-op here: the unclamped loop grows radially
-        assert not torch.allclose(clamped[-1], ed.clamped_states(model, X)[-1], atol=1e-2)
+        assert not torch.allclose(clamped[-1], diagnostics.clamped_states(model, X)[-1], atol=1e-2)
 
 
 @pytest.mark.parametrize('kw', [dict(), dict(inter_loop_norm='rmsnorm'), dict(pos='rope', readout='raw'),
@@ -91,7 +93,7 @@ def test_unclamped_loop_equals_model_loop_states(kw):
     model = tiny(**kw)
     X, _ = batch()
     with torch.no_grad():
-        for a, b in zip(ed.clamped_states(model, X, n_loop=5), model.states(X, n_loop=5)):
+        for a, b in zip(diagnostics.clamped_states(model, X, n_loop=5), model.states(X, n_loop=5)):
             assert torch.equal(a, b)
 
 
@@ -99,16 +101,16 @@ def test_unclamped_loop_equals_model_loop_states(kw):
 def test_scale_invariant_readout_sends_no_radial_gradient(readout):
     # docs/papers.md §1 Lemma 1: <dL/dh, h> = 0 for a scale-invariant readout; a raw readout sees the scale
     X, Y = batch()
-    frac, total = ed.radial_gradient(tiny(readout=readout), X, Y, batch_size=3)
+    frac, total = diagnostics.radial_gradient(tiny(readout=readout), X, Y, batch_size=3)
     assert max(frac) < 1e-5
     assert total[-1] < 1e-5  # the last state only reaches the loss through its readout
-    raw, _ = ed.radial_gradient(tiny(readout='raw'), X, Y, batch_size=3)
+    raw, _ = diagnostics.radial_gradient(tiny(readout='raw'), X, Y, batch_size=3)
     assert min(raw) > 1e-3
 
 
 def test_norm_penalty_makes_the_training_loss_see_the_scale():
     X, Y = batch()
-    _, total = ed.radial_gradient(tiny(norm_penalty=10.0), X, Y, batch_size=6)
+    _, total = diagnostics.radial_gradient(tiny(norm_penalty=10.0), X, Y, batch_size=6)
     assert total[-1] > 1e-2
 
 
@@ -195,24 +197,24 @@ def test_cli_writes_table_and_json(tiny_ckpt, tiny_data, capsys):
 
 def test_kappa_is_R_for_aligned_visits_one_for_orthogonal_and_zero_for_cancelling():
     g = torch.randn(4, 3)
-    assert ed.kappa([g, g, g]) == pytest.approx(3.0)
+    assert diagnostics.kappa([g, g, g]) == pytest.approx(3.0)
     e1, e2 = torch.zeros(2, 2), torch.zeros(2, 2)
     e1[0, 0], e2[1, 1] = 1.0, 5.0
-    assert ed.kappa([e1, e2]) == pytest.approx(1.0)
-    assert ed.kappa([g, -g]) == pytest.approx(0.0) and ed.kappa([0 * g, 0 * g]) is None
+    assert diagnostics.kappa([e1, e2]) == pytest.approx(1.0)
+    assert diagnostics.kappa([g, -g]) == pytest.approx(0.0) and diagnostics.kappa([0 * g, 0 * g]) is None
 
 
 def test_per_visit_gradients_sum_to_the_models_own_gradient():
     model = tiny(n_loop=3, n_layer=2)
     X, Y = batch()
-    per_visit = ed.visit_gradients(model, X, Y)
+    per_visit = diagnostics.visit_gradients(model, X, Y)
     _, loss = model(X, Y)
     loss.backward()
     params = dict(model.named_parameters())
     assert len(per_visit) == 2 * 4 and all(len(g) == 3 for g in per_visit.values())  # K = 2 blocks x 4
     for name, grads in per_visit.items():
         torch.testing.assert_close(sum(grads), params['transformer.' + name].grad, rtol=1e-5, atol=1e-7)
-    assert not isinstance(model.transformer.h[0], ed.PerVisit)  # the stand-ins are gone
+    assert not isinstance(model.transformer.h[0], diagnostics.PerVisit)  # the stand-ins are gone
 
 
 def test_kappa_is_R_when_every_visit_sees_the_same_input():
@@ -224,7 +226,7 @@ def test_kappa_is_R_when_every_visit_sees_the_same_input():
             block.attn.c_proj.weight.zero_()
             block.mlp.c_proj.weight.zero_()
     X, Y = batch()
-    kap = ed.visit_alignment(model, X, Y)['per_matrix']
+    kap = diagnostics.visit_alignment(model, X, Y)['per_matrix']
     for j in range(2):
         assert kap[f'h.{j}.attn.c_proj.weight'] == pytest.approx(4.0, rel=1e-5)
         assert kap[f'h.{j}.mlp.c_proj.weight'] == pytest.approx(4.0, rel=1e-5)

@@ -19,6 +19,7 @@ from test_model import V, T, tiny, batch
 from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics
 from test_reliability import assert_clean_error, model_tensors_equal, torchrun_unavailable
 
+import diagnostics
 import eval_depth
 from configurator import check_model
 from engine import ExitScorer, generate, score_threshold
@@ -103,15 +104,15 @@ def test_sampled_depth_has_mean_n_loop_plus_one_is_capped_and_depends_only_on_it
 
 
 def test_truncated_backprop_zeroes_the_gradient_of_the_early_loops():
-    # backprop_loops = 2 of R = 4: the per-visit gradients G_r (eval_depth.visit_gradients) of visits 1 and
+    # backprop_loops = 2 of R = 4: the per-visit gradients G_r (diagnostics.visit_gradients) of visits 1 and
     # 2 are exactly zero for every shared matrix, those of visits 3 and 4 are not; the loss is unchanged
     X, Y = batch()
     full, cut = tiny(n_loop=4), tiny(n_loop=4, backprop_loops=2)
     torch.testing.assert_close(full(X, Y)[1], cut(X, Y)[1])
-    for name, G in eval_depth.visit_gradients(cut, X, Y).items():
+    for name, G in diagnostics.visit_gradients(cut, X, Y).items():
         assert all(float(g.abs().max()) == 0.0 for g in G[:2]), name
         assert all(float(g.abs().max()) > 0.0 for g in G[2:]), name
-    for name, G in eval_depth.visit_gradients(full, X, Y).items():
+    for name, G in diagnostics.visit_gradients(full, X, Y).items():
         assert all(float(g.abs().max()) > 0.0 for g in G), name
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on one CUDA GPU; installs nothing, needs no network.
-#   1. python bench.py --device=cuda (GPU sizes, bf16 autocast, torch.compile row included)
+#   1. python lab/bench.py --device=cuda (GPU sizes, bf16 autocast, torch.compile row included)
 #   2. a short training run of config/paper_44m.py (bf16, compile=True, SDPA flash attention): tokens/s, MFU
 #   3. a short training run of config/deeploop_small.py, the 124M-class preset (target: MFU >= 45%)
 # Both training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
@@ -8,11 +8,12 @@
 #   python prepare.py shakespeare     # tinyshakespeare in GPT-2 BPE: data/shakespeare, ~300k train tokens
 # or your own text:  python prepare.py gutenberg --input path/to/books --tokenizer gpt2  and  DATA=gutenberg.
 # The vocabulary comes from the data's meta.json (paper_44m: GPT-2's 50257; deeploop_small sets 50304).
-# Then run, e.g.:  OUT=gpu_out bash gpu_check.sh
-# Logs, bench_cuda.json and summary.txt go to $OUT. Each step has its own time limit so one slow step
-# cannot take the others' time; the whole script stays under ~9 minutes.
+# Then run, from anywhere, e.g.:  OUT=gpu_out bash lab/gpu_check.sh
+# Logs, bench_cuda.json and summary.txt go to $OUT (a relative path is taken from the repository root). Each
+# step has its own time limit so one slow step cannot take the others' time; the whole script stays under
+# ~9 minutes.
 set -uo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository root: train.py, config/, data/
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -28,7 +29,7 @@ torch.cuda.get_device_name(), 'flash sdp', torch.backends.cuda.flash_sdp_enabled
 } 2>&1 | tee "$OUT/env.txt"
 
 # 1. the benchmark table at GPU sizes (writes its JSON after every row, so a timeout keeps what was done)
-timeout 220 $PY bench.py --device=cuda --out="$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log"
+timeout 220 $PY lab/bench.py --device=cuda --out="$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log"
 
 # 2. paper_44m: as configured (batch 64 x 256, K=8 x R=4, per-loop CE), on the local data, 60 iterations
 timeout 120 $PY train.py config/paper_44m.py --dataset="$DATA" --max_iters=60 --eval_interval=100000 \

@@ -3,12 +3,12 @@ Is looping free? Measure it, side by side in one run, and print one table of rat
 but every number here is a ratio of two things timed in the same process, interleaved, medians over repeats,
 warm-up excluded).
 
-    python bench.py                                   # CPU, a few minutes; writes bench.json
-    python bench.py --size=tiny                       # seconds: every row at toy sizes (what the tests run)
-    python bench.py --compile                         # also time torch.compile (minutes on a CPU)
-    python bench.py --threads=1 --timer=process       # on a busy machine: CPU seconds, not wall time
-    python bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
-    python bench.py --only=vs_plain,bf16,mfu_dtype    # some rows only (names: see MEASUREMENTS)
+    python lab/bench.py                               # CPU, a few minutes; writes bench.json
+    python lab/bench.py --size=tiny                   # seconds: every row at toy sizes (what the tests run)
+    python lab/bench.py --compile                     # also time torch.compile (minutes on a CPU)
+    python lab/bench.py --threads=1 --timer=process   # on a busy machine: CPU seconds, not wall time
+    python lab/bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
+    python lab/bench.py --only=vs_plain,bf16,mfu_dtype  # some rows only (names: see MEASUREMENTS)
 
 Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 from errors import Parser, die
 from hardware import attention_path, auto_dtype, cpu_bf16_units, peak_flops
 from engine import exit_score, generate
@@ -317,7 +318,8 @@ def memory_child(spec, loss_kind):
     here = os.path.abspath(__file__)
     cmd = [sys.executable, here, f'--threads={torch.get_num_threads()}',
            '--mem_child', json.dumps(dict(spec=spec, loss=loss_kind))]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(here))
+    repo = os.path.dirname(os.path.dirname(here))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=repo)
     if out.returncode != 0:
         raise RuntimeError(f"memory child ({loss_kind}) failed: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -879,7 +881,7 @@ def fmt_table(res):
 # -----------------------------------------------------------------------------
 
 def parse_args(argv):
-    p = Parser('bench.py', __doc__)
+    p = Parser('lab/bench.py', __doc__)
     p.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'),
                    help='auto: cuda if available')
     p.add_argument('--size', default='auto', choices=('auto',) + tuple(SIZES),

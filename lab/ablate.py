@@ -1,0 +1,507 @@
+r"""
+Sweeps: a preset's config arms x seeds -> one train.py run each (own out_dir) -> lab/eval_depth.py -> a
+report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the papers' ablations
+(docs/papers.md §1, §2, §3):
+
+    python lab/ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
+    python lab/ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
+    python lab/ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
+    python lab/ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10k steps
+    python lab/ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm
+    python lab/ablate.py kappa       # paper 2's visit alignment kappa_R over training, R in {1, 2, 4, 8}
+    python lab/ablate.py escape      # paper 2's p-sweep: runs that leave the unigram floor, R = 3, 5 seeds
+    python lab/ablate.py lr_transfer # loop-scaled residuals (§3): best LR per R with and without eps
+    python lab/ablate.py deeploop --report_only          # rebuild the report from the finished runs
+    python lab/ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --max_iters=100
+
+Every flag that is not one of ablate.py's own (see --help) is a config override for every run, written as
+train.py takes it: --key=value (--max_iters=100 above).
+
+Without --base every run starts from the preset's laptop config, config/laptop_blindspot.py or
+config/laptop_deeploop.py (shakespeare_char, d 128, K 2; on a 2-core CPU, one run per core). With --base the
+same arms run on top of a GPU config file instead, unchanged:
+
+    python lab/ablate.py blindspot --base config/paper_44m.py \
+        --launcher "torchrun --standalone --nproc_per_node=8"
+    python lab/ablate.py deeploop --base config/deeploop_small.py --max_iters=2700 --workers=8 \
+        --gpus_per_worker=1
+    python lab/ablate.py blindspot --base config/paper_44m.py --dry_run   # the commands and GPU-hours
+
+A run's train.py arguments are: the base config file(s), the arm's config files, the arm's --key=value
+overrides, --seed and --out_dir, then the overrides of the command line. train.py itself resolves them
+(--print_config=True), so ablate.py holds no copy of the config schema. Runs go to <out>/<arm>-s<seed>/
+(train.log, eval.log, metrics.jsonl, eval_depth.json, status.json); a finished run (status.json says so) is
+skipped on the next call, an interrupted one (a crash, or a signal that stopped train.py) is resumed. Each
+finished run prints `[runs done/total, time so far, ETA]`. Paths (--out, --report_dir, data/) are relative to
+the working directory, as for train.py: run it from the repository root.
+"""
+import contextlib
+import io
+import json
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+import configurator
+from configurator import gpt_config, model_keys
+from errors import Parser, die, duration
+from hardware import auto_dtype
+from model import GPT, GPTConfig
+from reports import fmt, read_json, read_metrics, read_status, write_report
+
+LAB = os.path.dirname(os.path.abspath(__file__))  # this folder: eval_depth.py
+REPO = os.path.dirname(LAB)                       # the repository: train.py, config/
+
+# -----------------------------------------------------------------------------
+# presets
+
+def arm(name, *files, tags=None, **overrides):
+    """One arm: config files (composed in order on top of the base) and --key=value overrides."""
+    return dict(name=name, files=list(files), overrides=overrides, tags=tags or {})
+
+
+DEEPLOOP_VARIANTS = [  # (name, block, depth_scaling): docs/papers.md §2's alpha = (2N)^p, beta = (8N)^-p
+    ('preln', 'preln', 'none'),                  # the paper's baseline: pre-norm, no residual scaling
+    ('sandwich_p0', 'sandwich', 'none'),         # p = 0: alpha = beta = 1
+    ('sandwich_p0.25', 'sandwich', 'deepnorm'),  # p = 1/4 (DeepNorm's exponent)
+    ('sandwich_p0.5', 'sandwich', 'deeploop'),   # p = 1/2 (DeepLoop)
+]
+
+DEEPLOOP_RS = (1, 4, 8)       # loop counts at fixed K
+DEEPLOOP_LRS = (1e-3, 3e-3)   # post-norm blocks are far more LR-sensitive than pre-norm ones
+KAPPA_RS = (1, 2, 4, 8)       # loop counts of the kappa_R and LR-transfer sweeps (gamma from kappa_R vs R)
+KAPPA_LR = 3e-3               # the deeploop sweep's LR where sandwich p = 0 stays on the floor at R >= 4
+LR_TRANSFER_LRS = (3e-4, 1e-3, 3e-3, 1e-2)   # Wang et al.'s claim (docs/papers.md §3): with eps, one best LR
+ESCAPE_PS = (0, 0.25, 0.30, 0.40, 0.50, 0.60)  # docs/papers.md §2's p-sweep at R = 3 (p = 0, 1/4 added)
+
+PRESETS = {
+    'blindspot': dict(
+        title="Paper 1, the readout blind spot: eight arms + inter-loop norm + RMSNorm/raw under init=gpt2",
+        laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='blindspot',
+        arms=[
+            arm('terminal_rmsnorm', 'config/terminal_rmsnorm.py'),
+            arm('terminal_raw', 'config/terminal_raw.py'),
+            arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
+            arm('loop_layernorm', 'config/loop_layernorm.py'),
+            arm('loop_raw', 'config/loop_raw.py'),
+            arm('loop_final_only', 'config/loop_final_only.py'),
+            arm('terminal_penalty', 'config/terminal_penalty.py'),
+            arm('loop_penalty', 'config/loop_penalty.py'),
+            arm('loop_interloop_norm', 'config/loop_interloop_norm.py'),
+            arm('loop_rmsnorm_gpt2', 'config/loop_rmsnorm.py', init='gpt2'),
+            arm('loop_raw_gpt2', 'config/loop_raw.py', init='gpt2'),
+        ]),
+    'deeploop': dict(
+        title="Paper 2, DeepLoop trainability: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, "
+              "two LRs",
+        laptop='config/laptop_deeploop.py', seeds=(1, 2), eval_depth=False, report='deeploop',
+        arms=[arm(f'{v}-R{R}-lr{lr:g}', block=block, depth_scaling=ds, n_loop=R, learning_rate=lr,
+                  tags=dict(variant=v, R=R, lr=lr))
+              for lr in DEEPLOOP_LRS for R in DEEPLOOP_RS for v, block, ds in DEEPLOOP_VARIANTS]),
+    'kappa': dict(
+        title="Visit alignment kappa_R over training: pre-norm and sandwich p in {0, 1/4, 1/2}, "
+              "R in {1, 2, 4, 8}",
+        laptop='config/laptop_deeploop.py', seeds=(1,), eval_depth=False, report='kappa',
+        arms=[arm(f'{v}-R{R}', block=block, depth_scaling=ds, n_loop=R, learning_rate=KAPPA_LR,
+                  log_kappa=True, tags=dict(variant=v, R=R))
+              for R in KAPPA_RS for v, block, ds in DEEPLOOP_VARIANTS]),
+    'lr_transfer': dict(
+        title="Loop-scaled residuals and LR transfer: final val loss vs LR per R, pre-norm with and without "
+              "eps = 1/(R sqrt K)",
+        laptop='config/laptop_deeploop.py', seeds=(1, 2), eval_depth=False, report='lr_transfer',
+        arms=[arm(f'preln{"_eps" if eps else ""}-R{R}-lr{lr:g}', *(['config/loop_eps.py'] if eps else []),
+                  n_loop=R, learning_rate=lr, eval_interval=100, eval_iters=16,  # few evals, less noisy
+                  tags=dict(eps=eps, R=R, lr=lr))
+              for eps in (False, True) for lr in LR_TRANSFER_LRS for R in KAPPA_RS]),
+    'escape': dict(
+        title="DeepLoop's escape fractions at laptop size: sandwich R = 3, p in {0, 1/4, 0.3, 0.4, 0.5, "
+              "0.6}, lr 3e-3",
+        laptop='config/laptop_deeploop.py', seeds=(1, 2, 3, 4, 5), eval_depth=False, report='escape',
+        arms=[arm(f'sandwich_p{p:g}', block='sandwich', depth_scaling=p, n_loop=3, learning_rate=KAPPA_LR,
+                  tags=dict(p=p))
+              for p in ESCAPE_PS]),
+}
+
+# the recurrent-depth family at the blind-spot sweep's size (docs/papers.md §4); each arm adds to the one
+# before up to the random-depth arm; n_loop = 3 makes the sampled depth's mean 4 (n_loop + 1)
+RANDOM_DEPTH = dict(loop_sampling='poisson_lognormal', n_loop=3, backprop_loops=2)
+PRESETS['recurrent'] = dict(
+    title="The recurrent-depth family: does the blind spot survive injection, random depth, a coda, a gate?",
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='recurrent',
+    eval_args=['--exits=16'],
+    arms=[
+        arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
+        arm('inject_add', 'config/loop_rmsnorm.py', injection='add'),
+        arm('random_depth', 'config/loop_rmsnorm.py', injection='add', **RANDOM_DEPTH),
+        arm('huginn', 'config/loop_rmsnorm.py', 'config/huginn.py', n_loop=3),
+        arm('ouro', 'config/loop_rmsnorm.py', 'config/ouro.py'),
+    ])
+GROWING = dict(max_iters=10_000, eval_interval=50)  # §1 "still growing": 16x the blind-spot sweep's length
+PRESETS['growing'] = dict(
+    title="Paper 1, \"still growing\": per-loop CE with an RMSNorm vs a raw readout, 10,000 steps",
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='growing',
+    arms=[arm('loop_rmsnorm', 'config/loop_rmsnorm.py', **GROWING),
+          arm('loop_raw', 'config/loop_raw.py', **GROWING)])
+LONG = dict(max_iters=2000, eval_interval=50)
+PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
+    title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='blindspot',
+    arms=[arm('loop_rmsnorm-2000', 'config/loop_rmsnorm.py', **LONG),
+          arm('loop_rmsnorm-lr1e-3', 'config/loop_rmsnorm.py', learning_rate=1e-3),
+          arm('loop_rmsnorm-2000-lr1e-3', 'config/loop_rmsnorm.py', learning_rate=1e-3, **LONG),
+          arm('embedded_default', 'config/loop_rmsnorm.py', batch_size=8, learning_rate=1e-3, beta2=0.99,
+              **LONG),  # train.py's own defaults: the laptop size with these four keys changed
+          arm('loop_interloop_norm-gpt2', 'config/loop_interloop_norm.py', init='gpt2'),
+          arm('loop_interloop_norm-lr1e-3', 'config/loop_interloop_norm.py', learning_rate=1e-3),
+          arm('loop_interloop_norm-2000', 'config/loop_interloop_norm.py', **LONG)])
+
+# -----------------------------------------------------------------------------
+# planning: one job per (arm, seed), its config resolved by train.py itself
+
+def repo_path(path):
+    """A config file of this repo: as given if it exists from the working directory, else under the repo."""
+    return path if os.path.isabs(path) or os.path.exists(path) else os.path.join(REPO, path)
+
+
+def arg_value(v):
+    return v if isinstance(v, str) else repr(v)
+
+
+def run_args(base, a, seed, out_dir, overrides_all):
+    """train.py's arguments for arm a: the base files, the arm's files and overrides, the seed, then the
+    overrides of the command line (overrides_all: ['--key=value', ...])."""
+    overrides = dict(a['overrides'], seed=seed, out_dir=out_dir)
+    files = base + [repo_path(p) for p in a['files']]
+    return files + [f'--{k}={arg_value(v)}' for k, v in overrides.items()] + overrides_all
+
+
+def plan(args, preset):
+    """The jobs of this call: name, arm, seed, out_dir and train.py arguments (no config yet: resolve())."""
+    base = args.base or [repo_path(preset['laptop'])]
+    jobs = []
+    for a in preset['arms']:
+        if args.only and a['name'] not in args.only:
+            continue
+        for seed in args.seeds:
+            name = f"{a['name']}-s{seed}"
+            out_dir = os.path.join(args.out, name)
+            jobs.append(dict(name=name, arm=a, seed=seed, out_dir=out_dir,
+                             args=run_args(base, a, seed, out_dir, args.overrides)))
+    return jobs
+
+
+def train_defaults():
+    """train.py's defaults, every key: what `python train.py --print_config=True` prints with no overrides."""
+    cmd = [sys.executable, os.path.join(REPO, 'train.py'), '--print_config=True']
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    if proc.returncode != 0:
+        die(f"train.py --print_config=True failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(proc.stdout)
+
+
+def resolve(jobs):
+    """Set job['cfg'] to the config train.py resolves from job['args']: its defaults (asked of train.py once),
+    then the same configurator that train.py applies to its command line."""
+    defaults = train_defaults()
+    for job in jobs:
+        job['cfg'] = configurator.configure(defaults, job['args'])[0]
+        configurator.check(job['cfg'])  # a bad value dies here, as it would in train.py
+
+# -----------------------------------------------------------------------------
+# running
+
+def write_status(run_dir, status):
+    with open(os.path.join(run_dir, 'status.json'), 'w', encoding='utf-8') as fh:
+        json.dump(status, fh)
+
+
+def last_line(path):
+    try:
+        with open(path, encoding='utf-8', errors='replace') as fh:
+            lines = [line.strip() for line in fh if line.strip()]
+        return lines[-1] if lines else ''
+    except OSError:
+        return ''
+
+
+def cpu_cores():
+    """The CPU cores this process may run on."""
+    if hasattr(os, 'sched_getaffinity'):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+class Slots:
+    """Worker slots; each owns a share of the CPU cores (and optionally of the GPUs)."""
+
+    def __init__(self, n, gpus_per_worker):
+        cores = cpu_cores()
+        per = max(1, len(cores) // n)
+        self.cores = [cores[i * per:(i + 1) * per] or cores for i in range(n)]
+        self.gpus = [list(range(i * gpus_per_worker, (i + 1) * gpus_per_worker)) if gpus_per_worker else None
+                     for i in range(n)]
+        self.free = queue.Queue()
+        for i in range(n):
+            self.free.put(i)
+
+    def popen_kwargs(self, slot):
+        env = dict(os.environ, OMP_NUM_THREADS=str(len(self.cores[slot])), PYTHONUNBUFFERED='1')
+        if self.gpus[slot] is not None:
+            env['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, self.gpus[slot]))
+        kw = dict(env=env)
+        if hasattr(os, 'sched_setaffinity'):
+            cores = self.cores[slot]
+            kw['preexec_fn'] = lambda: os.sched_setaffinity(0, cores)  # train.py sizes its threads from this
+        return kw
+
+
+def call_logged(cmd, log_path, mode, popen_kwargs):
+    """Run cmd with the command line and then its output written to log_path; returns the exit code."""
+    with open(log_path, mode, encoding='utf-8') as log:
+        log.write('$ ' + shlex.join(cmd) + '\n')
+        log.flush()
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, **popen_kwargs)
+
+
+def train(job, launcher, popen_kwargs):
+    """Train one run, resuming from its checkpoint if there is one (init_from=auto); returns its new status:
+    done, failed, or stopped (a signal stopped train.py early with a checkpoint: the next call resumes it)."""
+    run_dir = job['out_dir']
+    os.makedirs(run_dir, exist_ok=True)
+    cmd = launcher + [os.path.join(REPO, 'train.py')] + job['args'] + ['--init_from=auto']
+    t0 = time.time()
+    log_path = os.path.join(run_dir, 'train.log')
+    rc = call_logged(cmd, log_path, 'a', popen_kwargs)
+    rows = read_metrics(run_dir)
+    finished = rc == 0 and bool(rows) and rows[-1].get('iter', -1) >= job['cfg']['max_iters']
+    return dict(train='done' if finished else 'stopped' if rc == 0 else 'failed', rc=rc,
+                train_seconds=round(time.time() - t0, 1), error=None if finished else last_line(log_path))
+
+
+def evaluate(run_dir, eval_args, popen_kwargs):
+    """eval_depth.py on a run's checkpoint; returns the status keys it sets."""
+    t0 = time.time()
+    cmd = [sys.executable, os.path.join(LAB, 'eval_depth.py'), run_dir] + eval_args
+    rc = call_logged(cmd, os.path.join(run_dir, 'eval.log'), 'w', popen_kwargs)
+    return dict(eval='done' if rc == 0 else 'failed', eval_seconds=round(time.time() - t0, 1))
+
+
+def run_summary(job, status):
+    rows = read_metrics(job['out_dir'])
+    msg = f"{job['name']}: train {status.get('train')}"
+    if rows:
+        last = rows[-1]
+        msg += (f", iter {last['iter']}, val {fmt(last['val_loss'], '.4f')}, "
+                f"||h_R|| {fmt(last['norm'][-1], '.1f')}")
+    if status.get('error'):
+        msg += f" ({status['error'][:120]})"
+    return msg
+
+
+def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False):
+    """Train one run (resuming an interrupted one), then evaluate it. Writes run_dir/status.json."""
+    run_dir = job['out_dir']
+    status = read_status(run_dir)
+    slot = slots.free.get()
+    t0, worked = time.time(), False
+    try:
+        popen_kwargs = slots.popen_kwargs(slot)
+        if status.get('train') != 'done':
+            status, worked = train(job, launcher, popen_kwargs), True
+            write_status(run_dir, status)
+        wants_eval = do_eval and status.get('train') != 'stopped' and (status.get('eval') != 'done' or reeval)
+        if wants_eval and os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
+            status.update(evaluate(run_dir, eval_args, popen_kwargs))
+            write_status(run_dir, status)
+            worked = True
+    finally:
+        slots.free.put(slot)
+    seconds = time.time() - t0
+    log(job, run_summary(job, status) + f" [{seconds:.0f}s]", seconds if worked else None)
+    return status
+
+
+def cost(job):
+    """A run's relative cost: loops x iterations (to order the runs and to estimate the time left)."""
+    return job['cfg']['n_loop'] * job['cfg']['max_iters']
+
+
+def progress_logger(jobs, n_workers, t0):
+    """log(job, msg, seconds): one line per finished run, `[runs done/total, time so far, ETA]`, safe to
+    call from the worker threads. seconds: what the run took, None if an earlier call had finished it. The
+    ETA spreads the cost of the runs not finished over the workers, at the seconds per unit of cost that
+    the runs of this call took (runs in progress count as not started, so it errs on the long side)."""
+    lock, done, left = threading.Lock(), [0], [sum(cost(j) for j in jobs)]
+    spent = [0.0, 0]  # seconds and cost of the runs this call ran
+
+    def log(job, msg, seconds):
+        with lock:
+            done[0] += 1
+            left[0] -= cost(job)
+            if seconds is not None:
+                spent[0], spent[1] = spent[0] + seconds, spent[1] + cost(job)
+            eta = ''
+            if spent[1] and left[0]:
+                eta = f", ETA {duration(left[0] * spent[0] / spent[1] / n_workers)}"
+            print(f"[{done[0]}/{len(jobs)} runs, {duration(time.time() - t0)}{eta}] {msg}", flush=True)
+    return log
+
+
+def default_workers(args):
+    """One run per CPU core on a CPU; one at a time with a launcher (torchrun) or a GPU."""
+    return len(cpu_cores()) if not args.launcher and not torch.cuda.is_available() else 1
+
+
+def run_sweep(jobs, preset, launcher, args):
+    """Train (and evaluate) every job not finished yet, n_workers at a time; writes <out>/sweep.json."""
+    t0 = time.time()
+    n_workers = args.workers or default_workers(args)
+    slots = Slots(n_workers, args.gpus_per_worker)
+    log = progress_logger(jobs, n_workers, t0)
+    order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive runs first: the workers finish together
+    print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {len(slots.cores[0])}; "
+          f"runs in {args.out}/", flush=True)
+    eval_args = preset.get('eval_args', []) + shlex.split(args.eval_args)
+
+    def run(job):
+        return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval)
+    with ThreadPoolExecutor(n_workers) as pool:
+        list(pool.map(run, order))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, 'sweep.json'), 'w', encoding='utf-8') as fh:
+        json.dump(dict(command=args.command, wall_seconds=round(time.time() - t0, 1), workers=n_workers,
+                       cores_per_run=len(slots.cores[0]), commit=code_version(),
+                       dtype=resolved_dtype(jobs[0]['cfg'])), fh)
+
+
+def code_version():
+    """The commit the sweep ran (with '+local changes' if the tree differed from it), for the report."""
+    def git(*a):
+        proc = subprocess.run(['git', '-C', REPO, *a], capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ''
+    commit = git('rev-parse', '--short=12', 'HEAD') or 'unknown'
+    return commit + (' + local changes' if git('status', '--porcelain', '--untracked-files=no') else '')
+
+
+def resolved_dtype(cfg):
+    """The dtype the runs trained in: dtype='auto' resolved the way train.py resolves it."""
+    if cfg['dtype'] != 'auto':
+        return cfg['dtype']
+    device = cfg['device'] if cfg['device'] != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    dtype, why = auto_dtype(device.split(':')[0])
+    return f"{dtype} (auto: {why})"
+
+# -----------------------------------------------------------------------------
+# compute estimates
+
+def run_vocab_size(cfg):
+    """The vocabulary train.py will use: --print_config shows GPTConfig's default where no config set
+    vocab_size, and then train.py takes data/<dataset>/meta.json's (if the data is not prepared here,
+    assume GPT-2's BPE padded to 50304)."""
+    if cfg['vocab_size'] != GPTConfig.vocab_size:
+        return cfg['vocab_size']
+    return read_json(os.path.join('data', cfg['dataset'], 'meta.json'), {}).get('vocab_size', 50304)
+
+
+def estimate(cfg):
+    """(tokens, training FLOPs) of a run: model.flops_per_token x tokens (eval passes not counted)."""
+    model_args = {k: cfg[k] for k in model_keys()}
+    model_args['vocab_size'] = run_vocab_size(cfg)
+    with contextlib.redirect_stdout(io.StringIO()), torch.device('meta'):  # no weights, no parameter count
+        model = GPT(gpt_config(model_args))
+    tokens = cfg['max_iters'] * cfg['batch_size'] * cfg['gradient_accumulation_steps'] * cfg['block_size']
+    return tokens, model.flops_per_token(cfg['block_size']) * tokens
+
+
+def dry_run(jobs, launcher, args):
+    """Print every run's train.py command and its estimated tokens, FLOPs and GPU-hours."""
+    shown = ['python' if c == sys.executable else c for c in launcher]
+    total = 0.0
+    for j in jobs:
+        tokens, flops = estimate(j['cfg'])
+        hours = flops / (args.peak_tflops * 1e12 * args.mfu) / 3600
+        total += hours
+        print(f"{j['name']}: {tokens / 1e9:.2f}B tokens, {flops / 1e18:.2f} EFLOP, ~{hours:.2f} GPU-h")
+        print('  ' + shlex.join(shown + ['train.py'] + j['args']))
+    print(f"total: {len(jobs)} runs, ~{total:.1f} GPU-hours of training at {args.mfu:.0%} MFU of "
+          f"{args.peak_tflops:g} TFLOP/s (evaluation not counted)")
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+def parser():
+    ap = Parser('lab/ablate.py', __doc__.split('\n\n')[0])
+    ap.epilog = "Any other flag is a config override for every run: --key=value, e.g. --max_iters=100."
+    ap.add_argument('preset', choices=sorted(PRESETS))
+    ap.add_argument('--base', action='append', default=[], help='config file(s) replacing the laptop config')
+    ap.add_argument('--only', default='', help='comma-separated arm names')
+    ap.add_argument('--seeds', default='', help="comma-separated seeds (default: the preset's)")
+    ap.add_argument('--out', default=None, help='runs go to <out>/<arm>-s<seed>; default out-ablate-<preset>')
+    ap.add_argument('--report_dir', default=None, help='default: assets/ for the laptop sweep, else <out>')
+    ap.add_argument('--workers', type=int, default=0,
+                    help='runs at once (0: one per CPU core on a CPU, else 1)')
+    ap.add_argument('--gpus_per_worker', type=int, default=0,
+                    help='give each worker its own GPUs (CUDA_VISIBLE_DEVICES)')
+    ap.add_argument('--launcher', default='',
+                    help='e.g. "torchrun --standalone --nproc_per_node=8" (default: python)')
+    ap.add_argument('--eval_args', default='', help='extra eval_depth.py arguments, e.g. "--n_seqs=256"')
+    ap.add_argument('--report_only', action='store_true', help='only rebuild the report from finished runs')
+    ap.add_argument('--reeval', action='store_true', help='run eval_depth.py again on finished runs')
+    ap.add_argument('--dry_run', action='store_true',
+                    help='print the commands and the estimated compute, run nothing')
+    ap.add_argument('--mfu', type=float, default=0.4, help='assumed model flops utilisation for --dry_run')
+    ap.add_argument('--peak_tflops', type=float, default=989.0, help='--dry_run: GPU bf16 peak (H100: 989)')
+    return ap
+
+
+def parse_args(argv):
+    """The parsed flags, checked, with defaults filled in: the config overrides (every flag not ablate.py's
+    own) as ['--key=value', ...], --only and --seeds as lists, --out and --report_dir set, and the command
+    line itself (for the report)."""
+    args, overrides = parser().parse_known_args(argv)
+    args.overrides = overrides
+    args.command = 'python lab/ablate.py ' + shlex.join(argv)
+    args.out = args.out or f'out-ablate-{args.preset}'
+    args.report_dir = args.report_dir or (args.out if args.base else 'assets')
+    for s in args.overrides:
+        if not (s.startswith('--') and '=' in s):
+            die(f"unrecognized arguments: {s}; a config override is written --key=value "
+                f"(see python lab/ablate.py --help)")
+    args.only = [a for a in args.only.split(',') if a]
+    names = [a['name'] for a in PRESETS[args.preset]['arms']]
+    for a in args.only:
+        if a not in names:
+            die(f"--only {a}: not an arm of {args.preset} ({', '.join(names)})")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(',') if s] or list(PRESETS[args.preset]['seeds'])
+    except ValueError:
+        die(f"--seeds {args.seeds}: expected comma-separated integers")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    preset = PRESETS[args.preset]
+    jobs = plan(args, preset)
+    resolve(jobs[:1] if args.report_only else jobs)  # a report needs only the first run's config
+    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    if args.dry_run:
+        dry_run(jobs, launcher, args)
+        return
+    if not args.report_only:
+        run_sweep(jobs, preset, launcher, args)
+    write_report(args.preset, preset, jobs, args, read_json(os.path.join(args.out, 'sweep.json'), {}))
+
+
+if __name__ == '__main__':
+    main()
