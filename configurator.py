@@ -221,7 +221,7 @@ NON_NEGATIVE = ('max_iters', 'warmup_iters', 'learning_rate', 'min_lr', 'weight_
 
 
 def check(config):
-    """Ranges and choices of train.py's keys, then GPTConfig's own validation. Returns the GPTConfig."""
+    """Ranges and choices of train.py's keys, then check_model's. Returns the GPTConfig."""
     c = config
     for key, v in c.items():
         if isinstance(v, float) and not math.isfinite(v):

@@ -102,8 +102,8 @@ def shakespeare_path(out_dir, dataset):
         try:
             download(SHAKESPEARE_URL, path + '.tmp')  # under its real name only once complete
         except (OSError, ValueError) as e:
-            die(f"could not download tinyshakespeare from {SHAKESPEARE_URL} ({first_line(e)}); offline, pass "
-                f"--input PATH to a copy of input.txt")
+            die(f"could not download tinyshakespeare from {SHAKESPEARE_URL} ({first_line(e)}); offline, "
+                f"prepare a local copy with: python prepare.py {dataset} --input PATH/input.txt")
         os.replace(path + '.tmp', path)
     return path
 
