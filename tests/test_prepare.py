@@ -175,13 +175,15 @@ def test_tinyshakespeare_is_downloaded_once_and_kept(tmp_path, monkeypatch, caps
     assert len(urls) == 1
 
 
-def test_download_failure_is_one_line_naming_the_offline_flag(tmp_path, monkeypatch, capsys):
+def test_download_failure_is_one_line_naming_the_offline_command(tmp_path, monkeypatch, capsys):
+    # train.py prepares shakespeare_char itself and passes this error on: the hint must be a command
+    # that works as written (train.py has no --input flag, prepare.py does)
     def offline(url, timeout):
         raise OSError('[Errno -2] Name or service not known')
     monkeypatch.setattr(prepare.urllib.request, 'urlopen', offline)
     with pytest.raises(SystemExit) as e:
         prepare.prepare('shakespeare', out_dir=str(tmp_path / 'data'))
-    assert '--input' in one_line_error(capsys, e)
+    assert 'python prepare.py shakespeare --input PATH/input.txt' in one_line_error(capsys, e)
 
 
 # ---- Hugging Face datasets through a fake `datasets` module ----
