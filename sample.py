@@ -107,10 +107,27 @@ def pick_device(name):
     return name, device_type
 
 
+def load(args, device):
+    """The model on `device`, the tokenizer and the encoded prompt x (1, T) that args name."""
+    start = read_start(args.start)  # before the (slow) checkpoint load: a typo in the path fails at once
+    ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt = checkpoint.load(ckpt_path)  # on the CPU: the weights go to the device with the model, below
+    encode, decode = get_tokenizer(tokenizer_meta(args, ckpt, ckpt_path))
+    try:
+        start_ids = encode(start)
+    except ValueError as e:
+        die(f"--start: {e}")
+    if not start_ids:
+        die("--start: the prompt is empty (give some text, e.g. --start='\\n')")
+    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]  # (1, T)
+    model = checkpoint.build_model(ckpt)  # the optimizer state in ckpt is not needed to sample
+    check_exit(args, model.config)
+    return model.eval().to(device), decode, x
+
+
 def main(argv=None):
     args = p.parse_args(argv)
     check_args(args)
-    start = read_start(args.start)  # before the (slow) checkpoint load: a typo in the path fails at once
     device, device_type = pick_device(args.device)
     torch.manual_seed(args.seed)
     if device_type == 'cuda':
@@ -119,24 +136,7 @@ def main(argv=None):
         torch.backends.cudnn.allow_tf32 = True
     ptdtype = torch.bfloat16 if device_type == 'cuda' and torch.cuda.is_bf16_supported() else torch.float16
     ctx = nullcontext() if device_type != 'cuda' else torch.autocast(device_type=device_type, dtype=ptdtype)
-
-    ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
-    ckpt = checkpoint.load(ckpt_path)  # on the CPU: the weights go to the device with the model, below
-    meta = tokenizer_meta(args, ckpt, ckpt_path)
-    encode, decode = get_tokenizer(meta)
-    try:
-        start_ids = encode(start)
-    except ValueError as e:
-        die(f"--start: {e}")
-    if not start_ids:
-        die("--start: the prompt is empty (give some text, e.g. --start='\\n')")
-    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]  # (1, T)
-
-    model = checkpoint.build_model(ckpt)
-    check_exit(args, model.config)
-    model.eval()
-    model.to(device)
-    del ckpt  # the optimizer state is not needed to sample
+    model, decode, x = load(args, device)
 
     R = model.config.n_loop if args.n_loop is None else args.n_loop
     mode = (f"adaptive exit ({args.exit_policy} >= {args.exit_threshold}, at most {R} loops)"
