@@ -1,17 +1,18 @@
 """
-Decoding a looped GPT: the KV cache, one decode step with a fixed or an adaptive exit, and generate.
+Decoding a looped GPT: the KV cache, a decode step with a fixed or an adaptive exit, generate.
 
-The model knows nothing of this file. Its attention asks the cache for a visit's slot (cache.slot(part, j, k))
-and hands it the new keys and values (slot.update); everything about decoding lives here: which rows are
-still looping, what a row that exited early writes into the slots of the visits it skips, and when to stop.
+The model knows nothing of this file: its attention asks the cache for a visit's slot
+(cache.slot(part, j, k)) and hands it the new keys and values (slot.update). Everything else about
+decoding lives here: which rows are still looping, what a row that exited early writes into the
+slots of the visits it skips, and when to stop.
 
     cache = KVCache(model, B, R, device, dtype)
     logits, used = decode_step(model, idx, cache, pos, R, threshold, policy)
     idx, used = generate(model, idx, max_new_tokens, temperature=0.8, exit_threshold=0.9)
 
-Exit policies score how ready a position is to stop at exit k (docs/papers.md §1, variable-depth benchmark;
-§4 for kl and gate): the three confidences of one exit's logits, the KL between successive exits (Huginn)
-and the learned gate's cumulative exit probability (Ouro).
+Exit policies score how ready a position is to stop at exit k (docs/papers.md §1; §4 for kl and
+gate): three confidences of one exit's logits, the KL between successive exits (Huginn) and the
+learned gate's cumulative exit probability (Ouro).
 """
 import math
 
@@ -19,15 +20,14 @@ import torch
 from torch.nn import functional as F
 
 EXIT_POLICIES = ('maxprob', 'margin', 'entropy', 'kl', 'gate')
-# the range of each policy's exit_threshold; kl's threshold is a KL bound (exit when KL <= it), the others
-# a score to reach
-THRESHOLD_RANGES = dict(maxprob=(0.0, 1.0), margin=(0.0, math.inf), entropy=(0.0, 1.0), kl=(0.0, math.inf),
-                        gate=(0.0, 1.0))
+# the range of each policy's exit_threshold: a score to reach, or for kl a bound (exit when KL <= it)
+THRESHOLD_RANGES = dict(maxprob=(0.0, 1.0), margin=(0.0, math.inf), entropy=(0.0, 1.0),
+                        kl=(0.0, math.inf), gate=(0.0, 1.0))
 
 
 def score_threshold(policy, threshold):
-    """The score an exit must reach under `policy` for a user's exit_threshold, checked against its range:
-    -threshold for 'kl' (scores are -KL), the threshold itself for the others."""
+    """The score an exit must reach under `policy` for a user's exit_threshold, checked against its
+    range: -threshold for 'kl' (its scores are -KL), the threshold itself for the others."""
     low, high = THRESHOLD_RANGES[policy]
     if not low <= threshold <= high:
         raise ValueError(f"exit_threshold={threshold!r} is outside [{low:g}, {high:g}], the range of "
@@ -47,21 +47,21 @@ def exit_score(logits, policy):
         logp = logits.log_softmax(-1)
         H = -(logp.exp() * logp).sum(-1)
         return 1.0 - H / math.log(logits.size(-1))
-    raise ValueError(f"exit policy {policy!r}: choose one of maxprob, margin, entropy (kl and gate need "
-                     f"an ExitScorer)")
+    raise ValueError(f"exit policy {policy!r}: choose one of maxprob, margin, entropy "
+                     f"(kl and gate need an ExitScorer)")
 
 
 class ExitScorer:
-    """score(z_k, logits_k) -> (...), called for exits k = 1, 2, ... in order: how ready each position is to
-    stop at exit k (higher = readier). 'kl' scores -KL(p_{k-1} || p_k) between successive exits (-inf at
-    exit 1); 'gate' the learned gate's cumulative exit probability 1 - prod_{j<=k} (1 - lambda_j), which is
-    the exit distribution's sum over exits 1..k. keep(rows) follows the rows that stay in the batch."""
+    """score(z_k, logits_k) -> (...), called for exits k = 1, 2, ... in order: how ready each
+    position is to stop at exit k (higher = readier). 'kl' scores -KL(p_{k-1} || p_k) between
+    successive exits (-inf at exit 1); 'gate' the learned gate's cumulative exit probability
+    1 - prod_{j<=k} (1 - lambda_j). keep(rows) follows the rows that stay in the batch."""
 
     def __init__(self, model, policy):
-        assert policy in EXIT_POLICIES, f"exit policy {policy!r}: choose one of {', '.join(EXIT_POLICIES)}"
-        assert policy != 'gate' or model.config.exit_gate == 'learned', "policy 'gate' needs a learned gate"
+        assert policy in EXIT_POLICIES, f"exit policy {policy!r}: choose one of {EXIT_POLICIES}"
+        assert policy != 'gate' or model.config.exit_gate == 'learned', "'gate' needs a learned gate"
         self.model, self.policy = model, policy
-        self.prev = None  # kl: the previous exit's log-probs; gate: the probability of not having exited yet
+        self.prev = None  # kl: the last exit's log-probs; gate: the chance of not having exited yet
 
     def __call__(self, z, logits):
         if self.policy == 'gate':
@@ -70,8 +70,10 @@ class ExitScorer:
             return 1 - self.prev
         if self.policy == 'kl':
             logp = logits.float().log_softmax(-1)
-            out = torch.full(logp.shape[:-1], -math.inf, device=logp.device) if self.prev is None else \
-                -(self.prev.exp() * (self.prev - logp)).sum(-1)
+            if self.prev is None:
+                out = torch.full(logp.shape[:-1], -math.inf, device=logp.device)
+            else:
+                out = -(self.prev.exp() * (self.prev - logp)).sum(-1)  # -KL(p_{k-1} || p_k)
             self.prev = logp
             return out
         return exit_score(logits, self.policy)
@@ -81,7 +83,7 @@ class ExitScorer:
 
 
 class Slot:
-    """The keys and values of one visit, (B, nh, block_size, hs) each, for the rows the cache runs now."""
+    """The keys and values of one visit, (B, nh, block_size, hs) each."""
 
     def __init__(self, cache, shape, device, dtype):
         self.cache = cache
@@ -99,15 +101,16 @@ class Slot:
 
 
 class KVCache:
-    """One slot per (loop, layer) visit: loop k re-uses layer j's weights but sees other inputs, so it has
-    its own keys and values. The prelude and the coda (run once per token) have one slot per block.
-    rows: the batch rows the model runs on now (None = all); a row that exited leaves the batch."""
+    """One slot per (loop, layer) visit: loop k re-uses layer j's weights but sees other inputs, so
+    it has its own keys and values. The prelude and the coda (run once per token) have one slot
+    per block. rows: the batch rows the model runs on now (None = all); exited rows leave."""
 
     def __init__(self, model, B, R, device, dtype):
         cfg = model.config
         shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         new = lambda n: [Slot(self, shape, device, dtype) for _ in range(n)]
-        self.slots = dict(prelude=new(cfg.n_prelude), loop=new(R * cfg.n_layer), coda=new(cfg.n_coda))
+        self.slots = dict(prelude=new(cfg.n_prelude), loop=new(R * cfg.n_layer),
+                          coda=new(cfg.n_coda))
         self.K, self.rows = cfg.n_layer, None
 
     def slot(self, part, j, k=1):
@@ -115,9 +118,9 @@ class KVCache:
 
 
 def fill_skipped(model, cache, x, k, n_loop, pos):
-    """A row that exits at loop k skips the visits of loops k+1..n_loop, but later tokens attend to their
-    keys and values: write those of x, the state the row would have entered loop k+1 with (its exit state
-    carried forward, as CALM does), into every skipped visit's slot."""
+    """A row that exits at loop k skips the visits of loops k+1..n_loop, but later tokens attend to
+    their keys and values: write those of x, the state the row would have entered loop k+1 with
+    (its exit state carried forward, as CALM does), into every skipped visit's slot."""
     rope = model.rope(pos, x.size(1))
     visits = [(k2, j) for k2 in range(k + 1, n_loop + 1) for j in range(model.config.n_layer)]
     for k2, j in visits:
@@ -128,26 +131,27 @@ def fill_skipped(model, cache, x, k, n_loop, pos):
 
 @torch.no_grad()
 def decode_step(model, idx, cache, pos, n_loop, threshold=None, policy='maxprob'):
-    """Run tokens idx (B, T) at positions pos.. through up to n_loop loops, writing the cache. Returns the
-    last position's logits (B, V) at each row's exit and the loops each row used (B,). Without a threshold
-    every row runs all n_loop loops; with one (a score, see score_threshold) a row stops at the first loop
-    whose score reaches it (the last loop always exits) and leaves the batch for the loops after it."""
+    """Run tokens idx (B, T) at positions pos.. through up to n_loop loops, writing the cache.
+    Returns the last position's logits (B, V) at each row's exit and the loops each row used (B,).
+    Without a threshold every row runs n_loop loops; with one (a score, see score_threshold) a row
+    stops at the first loop whose score reaches it and leaves the batch for the loops after it."""
     B = idx.size(0)
     logits = torch.zeros(B, model.config.vocab_size, device=idx.device)
     used = torch.full((B,), float(n_loop), device=idx.device)
     x = e = model.untied('prelude', model.embed(idx, pos), cache, pos)
     score = None if threshold is None else ExitScorer(model, policy)
     live = torch.arange(B, device=idx.device)  # the rows still looping
-    h_exit = torch.zeros_like(x)               # the state each row exited with (for the coda's slots)
+    h_exit = torch.zeros_like(x)               # the state each row exited with (for the coda)
     loops, sent = model.loops(x, n_loop, cache, pos), None
     for k in range(1, n_loop + 1):
         _, h = loops.send(sent)
         sent = None
         if score is None and k < n_loop:
             continue
-        z = model.head_input(h, k, cache, pos)[:, -1]      # (B', C): the coda writes its slots on the way
+        z = model.head_input(h, k, cache, pos)[:, -1]      # (B', C); the coda writes its slots
         logits_k = model.lm_head(z).float()                # (B', V)
-        out = torch.ones_like(live, dtype=torch.bool) if k == n_loop else score(z, logits_k) >= threshold
+        last = torch.ones_like(live, dtype=torch.bool)
+        out = last if k == n_loop else score(z, logits_k) >= threshold
         if not bool(out.any()):
             continue
         rows = live[out]
@@ -158,25 +162,25 @@ def decode_step(model, idx, cache, pos, n_loop, threshold=None, policy='maxprob'
         live, stay = live[~out], ~out
         if live.numel() == 0:
             break
-        cache.rows, e = live, e[stay]   # the rows that stay leave the others behind for the next loops
+        cache.rows, e = live, e[stay]   # the next loops run on the rows that stay
         score.keep(stay)
         sent = (h[stay], e)
     cache.rows = None
     if score is not None and model.config.n_coda:
-        model.untied('coda', h_exit, cache, pos)  # the coda's slots at pos: from each row's exit state
+        model.untied('coda', h_exit, cache, pos)  # the coda's slots at pos, from each exit state
     return logits, used
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
-             exit_policy='maxprob', use_cache=True):
-    """Sample max_new_tokens after idx (B, T); returns (idx with them, loops used per new token (B, new)).
-    Fixed exit: every token stops at loop n_loop (default R). Adaptive exit (exit_threshold, in the range of
-    exit_policy, see score_threshold): a token stops at the first loop whose exit score reaches the threshold
-    (for 'kl': whose KL to the previous exit is at most the threshold). temperature 0 = greedy. The prompt
-    always runs all n_loop loops, so the first new token (read off the prompt pass) uses all of them too."""
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None,
+             exit_threshold=None, exit_policy='maxprob', use_cache=True):
+    """Sample max_new_tokens after idx (B, T); returns (idx with them, loops per new token (B, new)).
+    Fixed exit: every token stops at loop n_loop (default R). Adaptive exit: a token stops at the
+    first loop whose exit score reaches exit_threshold (for 'kl': whose KL to the previous exit is
+    at most it). temperature 0 = greedy. The prompt runs all n_loop loops, and so does the first
+    new token, which is read off the prompt pass."""
     R = model.config.n_loop if n_loop is None else n_loop
-    assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: choose one of {EXIT_POLICIES}"
+    assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: one of {EXIT_POLICIES}"
     assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
     threshold = None if exit_threshold is None else score_threshold(exit_policy, exit_threshold)
     bs = model.config.block_size
