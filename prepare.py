@@ -4,9 +4,9 @@ Prepare a dataset: read text, tokenize it, write flat token files, as in nanoGPT
     python prepare.py shakespeare_char                         # characters (65 symbols), nanoGPT's split
     python prepare.py shakespeare                              # GPT-2 BPE via tiktoken
     python prepare.py wikitext103                              # via Hugging Face `datasets` (pip install)
-    python prepare.py fineweb_edu --num_docs 100000            # streams FineWeb-Edu sample-10BT
-    python prepare.py openwebtext --val_fraction 0.0005        # streams OpenWebText (nanoGPT's GPT-2 data)
-    python prepare.py gutenberg --input path/to/books --tokenizer gpt2           # any .txt file or folder
+    python prepare.py fineweb_edu --num_docs=100000            # streams FineWeb-Edu sample-10BT
+    python prepare.py openwebtext --val_fraction=0.0005        # streams OpenWebText (nanoGPT's GPT-2 data)
+    python prepare.py gutenberg --input=path/to/books --tokenizer=gpt2           # any .txt file or folder
 
 Writes data/<dataset>/train.bin and val.bin (flat token ids: uint16, or uint32 when the vocabulary has
 65536 or more entries) and meta.json: dataset, tokenizer, vocab_size, dtype, train_tokens, val_tokens, and
@@ -72,16 +72,16 @@ def read_text(path):
     if os.path.isdir(path):
         files = sorted(f for f in os.listdir(path) if f.endswith('.txt'))
         if not files:
-            die(f"--input {path}: folder has no .txt files")
+            die(f"--input={path}: folder has no .txt files")
         parts = [read_text(os.path.join(path, f)) for f in files]
         return ''.join(p if p.endswith('\n') else p + '\n' for p in parts)
     if not os.path.isfile(path):
-        die(f"--input {path}: no such file or folder")
+        die(f"--input={path}: no such file or folder")
     try:
         with open(path, encoding='utf-8') as f:
             return f.read().replace('\r\n', '\n')
     except UnicodeDecodeError as e:
-        die(f"--input {path}: not UTF-8 text ({e.reason} at byte {e.start})")
+        die(f"--input={path}: not UTF-8 text ({e.reason} at byte {e.start})")
 
 def download(url, path):
     """url -> path, read in 64 KiB chunks with a progress bar (bytes, of the size the server announces)."""
@@ -103,7 +103,7 @@ def shakespeare_path(out_dir, dataset):
             download(SHAKESPEARE_URL, path + '.tmp')  # under its real name only once complete
         except (OSError, ValueError) as e:
             die(f"could not download tinyshakespeare from {SHAKESPEARE_URL} ({first_line(e)}); offline, "
-                f"prepare a local copy with: python prepare.py {dataset} --input PATH/input.txt")
+                f"prepare a local copy with: python prepare.py {dataset} --input=PATH/input.txt")
         os.replace(path + '.tmp', path)
     return path
 
@@ -350,7 +350,7 @@ def prepare(dataset, input_path=None, tokenizer=None, out_dir='data', val_fracti
             return prepare_wikitext103(out_dir)  # it has its own validation split
         return prepare_streamed(dataset, out_dir, val_fraction, num_docs)
     die(f"unknown dataset {dataset!r}: choose one of {', '.join([*TEXT_DATASETS, *HF_DATASETS])}, "
-        f"or give --input PATH (a .txt file or folder) for your own text")
+        f"or give --input=PATH (a .txt file or folder) for your own text")
 
 def main(argv=None):
     p = Parser('prepare.py', __doc__)

@@ -183,7 +183,7 @@ def test_download_failure_is_one_line_naming_the_offline_command(tmp_path, monke
     monkeypatch.setattr(prepare.urllib.request, 'urlopen', offline)
     with pytest.raises(SystemExit) as e:
         prepare.prepare('shakespeare', out_dir=str(tmp_path / 'data'))
-    assert 'python prepare.py shakespeare --input PATH/input.txt' in one_line_error(capsys, e)
+    assert 'python prepare.py shakespeare --input=PATH/input.txt' in one_line_error(capsys, e)
 
 
 # ---- Hugging Face datasets through a fake `datasets` module ----
