@@ -2,8 +2,8 @@
 Train a looped GPT. Runs on one CPU, one GPU, or several GPUs (or CPU processes) with DDP.
 
 With no arguments it trains a small looped GPT on shakespeare_char in about five minutes on a laptop CPU:
-per-loop cross-entropy through an RMSNorm readout with the reference init, the setting where paper 1's
-readout blind spot appears (docs/papers.md §1): watch ||h_k|| grow in the eval blocks.
+per-loop cross-entropy through an RMSNorm readout, the setting where paper 1's readout blind spot appears
+(docs/papers.md §1). Watch ||h_k|| grow in the eval blocks.
 
     python train.py                                            # the embedded default
     python train.py config/loop_raw.py                         # one ablation arm
@@ -12,24 +12,18 @@ readout blind spot appears (docs/papers.md §1): watch ||h_k|| grow in the eval 
     python train.py --init_from=resume --max_iters=6000        # continue out/ckpt.pt where it stopped
     python train.py config/paper_44m.py --init_from=auto       # resume if out/ckpt.pt exists, else start
     python train.py config/deeploop.py --print_config=True     # the resolved config as JSON, then exit
+    torchrun --standalone --nproc_per_node=4 train.py config/paper_44m.py    # DDP on 4 GPUs
 
-DDP, e.g. 4 GPUs on one node (CPU processes work too, with the gloo backend):
-    torchrun --standalone --nproc_per_node=4 train.py config/paper_44m.py
-
-Every eval_interval it prints train/val cross-entropy at every exit 1..R and the mean per-token norm
-||h_k|| of every loop state, and appends them to out_dir/metrics.jsonl (one JSON object per eval).
-
-On a cluster: SIGTERM or SIGUSR1 stops the run after the current step with a checkpoint and exit code 0
-(rerun the same command with --init_from=auto to continue bit for bit); a failed checkpoint write is retried
-at the next eval; under DDP a dead or stalled rank ends the job after at most collective_timeout seconds.
+Every eval_interval it prints train/val cross-entropy at every exit 1..R and the mean norm ||h_k|| of
+every loop state, and appends them to out_dir/metrics.jsonl. Ctrl-C, SIGTERM or SIGUSR1 stops the run
+after the current step with a checkpoint and exit code 0; the same command with --init_from=auto continues
+it bit for bit (ops.py has the rest of what keeps a long run alive).
 """
 
 import atexit
-import gc
 import json
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -43,8 +37,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import configurator
-from errors import die, duration, first_line
-from eval_depth import visit_alignment
+import ops
+from diagnostics import visit_alignment
+from errors import die, duration
 from hardware import auto_dtype
 from model import GPT, GPTConfig
 from prepare import open_data
@@ -98,28 +93,20 @@ dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 on 
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337
 # -----------------------------------------------------------------------------
+# training keys are the globals above; model keys are the fields of model.GPTConfig (their defaults, allowed
+# values and meanings are there, in one place) and reach the model as model_args
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
 defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
 config, explicit = configurator.configure(defaults, sys.argv[1:])  # config files, then --key=value
+config, ckpt, notes = checkpoint.resume(config, explicit)  # init_from=resume or auto
 ckpt_path = os.path.join(config['out_dir'], 'ckpt.pt')
-ckpt, resume_changes = None, []
-auto_scratch = config['init_from'] == 'auto' and not os.path.exists(ckpt_path)
-if config['init_from'] == 'auto':  # a requeued job: continue if an earlier attempt left a checkpoint
-    config['init_from'] = 'scratch' if auto_scratch else 'resume'
-if config['init_from'] == 'resume':
-    # the checkpoint's config is the base; only what this command sets explicitly overrides it
-    ckpt = checkpoint.load(ckpt_path)
-    missing = [k for k in ('optimizer', 'iter_num', 'config') if k not in ckpt]
-    if missing or not isinstance(ckpt['iter_num'], int) or not isinstance(ckpt['config'], dict):
-        die(f"{ckpt_path} cannot be resumed: it lacks {', '.join(missing) or 'a valid iter_num/config'}")
-    config, resume_changes = configurator.resume_config(config, explicit, ckpt, ckpt_path)
-    explicit.add('vocab_size')  # the checkpoint's, not meta.json's
 configurator.check(config)  # choices and ranges, GPTConfig's own validation
 if config['print_config']:
     print(json.dumps(config))
     sys.exit(0)
-globals().update(config)
+globals().update({k: config[k] for k in config_keys})
+model_args = {k: config[k] for k in configurator.model_keys()}
 # -----------------------------------------------------------------------------
 # processes and devices
 
@@ -141,19 +128,13 @@ if ddp:
     # a rank that dies or stalls makes the others' next collective fail after at most this timeout
     dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo',
                             timeout=timedelta(seconds=collective_timeout))
-
-    @atexit.register
-    def end_process_group():
-        """On every way out (done, a stop signal, an error): drop the DDP wrapper, which holds the process
-        group, and destroy the group while Python is still whole. A gloo thread left running into the
-        interpreter's shutdown can abort the process ('terminate called without an active exception')."""
-        globals().pop('model', None)
-        gc.collect()
-        dist.destroy_process_group()
+    atexit.register(ops.end_process_group, globals())
+stop_signals = ops.StopSignals()  # Ctrl-C, SIGTERM and SIGUSR1 now stop the run after a step, with a save
 
 # nanoGPT's convention: gradient_accumulation_steps counts the micro-batches of one optimizer step over all
 # ranks, so the global batch does not depend on the process count; each rank runs its share, rounded up
 micro_steps = math.ceil(gradient_accumulation_steps / world_size)  # micro-batches per rank per step
+block_size = model_args['block_size']  # the context length T, as the model sees it
 tokens_per_iter = micro_steps * world_size * batch_size * block_size
 if device_type == 'cpu' and 'OMP_NUM_THREADS' not in os.environ:
     # torch starts one thread per core in every process: share the cores between the ranks instead
@@ -180,27 +161,8 @@ if master_process:
     if micro_steps * world_size != gradient_accumulation_steps:
         print(f"gradient_accumulation_steps={gradient_accumulation_steps} rounded up to "
               f"{micro_steps * world_size}: {micro_steps} per process on {world_size} processes")
-    for change in resume_changes:
-        print(f"resume: {change}")
-    if auto_scratch:
-        print(f"init_from=auto: no {ckpt_path} yet, starting from scratch")
-
-# -----------------------------------------------------------------------------
-# preemption: a scheduler sends SIGTERM (or SIGUSR1 some time before the kill) and allows a grace period.
-# The handler only notes the signal. The training loop reads the note after each step, inside the step's
-# all-reduce, so all ranks stop after the same step even if the signal reached them at different times;
-# then rank 0 saves and the run exits 0 (stop_at_signal). A second signal only notes again: it cannot
-# interrupt the save, which is atomic anyway.
-
-stop_signal = None  # the name of the first stop signal this process received
-
-def on_stop_signal(signum, frame):
-    global stop_signal
-    stop_signal = stop_signal or signal.Signals(signum).name
-
-for name in ('SIGTERM', 'SIGUSR1'):
-    if hasattr(signal, name):  # SIGUSR1 does not exist on Windows
-        signal.signal(getattr(signal, name), on_stop_signal)
+    for note in notes:
+        print(note)
 
 # -----------------------------------------------------------------------------
 # data
@@ -217,19 +179,19 @@ meta = open_data(data_dir, block_size)  # checks files, token ids < vocab_size, 
 meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what a checkpoint's tokens mean
 if ckpt is not None:
     differ = [k for k in meta_id if k in (ckpt.get('meta') or {}) and ckpt['meta'][k] != meta_id[k]]
-    if differ or vocab_size < meta['vocab_size']:
+    if differ or model_args['vocab_size'] < meta['vocab_size']:
         die(f"{data_dir}/meta.json disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: the "
             f"checkpoint was trained on other tokens); resume with its dataset {ckpt.get('dataset')!r}")
 if 'vocab_size' not in explicit:
-    vocab_size = meta['vocab_size']
-elif vocab_size < meta['vocab_size']:
-    die(f"vocab_size={vocab_size} is smaller than {data_dir}/meta.json's {meta['vocab_size']}")
+    model_args['vocab_size'] = meta['vocab_size']
+elif model_args['vocab_size'] < meta['vocab_size']:
+    die(f"vocab_size={model_args['vocab_size']} is smaller than {data_dir}/meta.json's {meta['vocab_size']}")
 token_dtype = np.dtype(meta['dtype'])
 
 def get_batch(split, generator):
     """(X, Y) of shape (B, T): random windows of the split and the same windows shifted by one token.
-    Offsets come from `generator`, a torch.Generator private to this data stream, so the data order is
-    independent of everything else that draws random numbers and its state can go into the checkpoint."""
+    Offsets come from `generator`, a torch.Generator private to this data stream, so the data order does
+    not depend on anything else that draws random numbers, and its state can go into the checkpoint."""
     # a fresh memmap per batch, as nanoGPT does: a long-lived one keeps growing the process's memory
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=token_dtype, mode='r')
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator).tolist()
@@ -248,7 +210,6 @@ if init_from == 'scratch' and os.path.exists(ckpt_path) and not eval_only:
 # -----------------------------------------------------------------------------
 # model, optimizer, and the state a resumed run continues from
 
-model_args = {k: globals()[k] for k in configurator.model_keys()}
 model = GPT(GPTConfig(**model_args))
 if ckpt is not None:
     checkpoint.load_weights(model, ckpt['model'], ckpt_path)
@@ -259,33 +220,15 @@ saved_iter, skip_eval_at = None, None  # the iteration out_dir/ckpt.pt holds; on
 train_gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # this rank's training batches
 depth_gen = torch.Generator().manual_seed(seed)  # loop counts (loop_sampling): seeded alike on every rank
 if ckpt is not None:
-    # AdamW moments come from the checkpoint; hyperparameters (betas, weight decay) from this run's config
-    hyper = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
-    try:
-        optimizer.load_state_dict(ckpt['optimizer'])
-        if scaler.is_enabled() and ckpt.get('scaler'):
-            scaler.load_state_dict(ckpt['scaler'])
-    except (ValueError, KeyError, RuntimeError, TypeError) as e:
-        die(f"{ckpt_path}: optimizer state does not fit this model ({first_line(e)})")
-    for g, h in zip(optimizer.param_groups, hyper):
-        g.update(h)
+    checkpoint.load_optimizer(optimizer, scaler, ckpt, ckpt_path)
     iter_num, best_val_loss = ckpt['iter_num'], float(ckpt.get('best_val_loss', float('inf')))
-    bad_total = int(ckpt.get('bad_steps', 0))
-    saved_iter = iter_num
+    bad_total, saved_iter = int(ckpt.get('bad_steps', 0)), iter_num
     # a checkpoint written at an eval was evaluated and logged there; one written when a signal stopped the
     # run was not, so this run evaluates that iteration if it is an eval iteration, as an uninterrupted one
     if ckpt.get('evaluated', True) and not eval_only:
         skip_eval_at = iter_num
-    # every rank continues its own random streams (dropout, data order) exactly where the checkpoint left them
-    rngs, data_rngs = ckpt.get('rng'), ckpt.get('data_rng')
-    if ckpt.get('world_size') == world_size and isinstance(rngs, list) and isinstance(data_rngs, list):
-        checkpoint.set_rng_state(rngs[rank])
-        train_gen.set_state(data_rngs[rank])
-        if 'depth_rng' in ckpt:  # checkpoints from before loop_sampling have none (and needed none)
-            depth_gen.set_state(ckpt['depth_rng'])
-    elif master_process:
-        why = (f"was written by {ckpt.get('world_size')} process(es), this run has {world_size}"
-               if ckpt.get('world_size') != world_size else "holds no random-stream states")
+    why = checkpoint.load_streams(ckpt, rank, world_size, train_gen, depth_gen)
+    if master_process and why:
         print(f"resume: the checkpoint {why}: random streams are reseeded (not bit for bit from here)")
     if master_process:
         print(f"resuming from {ckpt_path} at iter {iter_num}")
@@ -294,7 +237,7 @@ raw_model = model  # the plain GPT: its state_dict has no '_orig_mod.' / 'module
 if compile:
     if master_process:
         print("compiling the model... (takes a ~minute)")
-    if loop_sampling != 'fixed':
+    if raw_model.config.loop_sampling != 'fixed':
         # one graph per loop count drawn (the loop unrolls): at most max_loop of them, so let dynamo keep that
         # many instead of falling back to eager after its default limit of 8
         cap = raw_model.config.loop_cap + 1
@@ -303,35 +246,19 @@ if compile:
     model = torch.compile(model, dynamic=False)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
-
-def gather(obj):
-    """obj from every rank, as a list on rank 0 (None elsewhere); [obj] without DDP."""
-    if not ddp:
-        return [obj]
-    out = [None] * world_size if master_process else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-def from_rank0(obj):
-    """rank 0's obj on every rank; obj itself without DDP."""
-    if not ddp:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+saver = ops.Saver(ckpt_path, max_iters, max_failed_saves, saved_iter)
+bad_steps = ops.BadSteps(raw_model, ctx, max_bad_steps, ckpt_path, bad_total)
 
 @torch.no_grad()
 def estimate_loss():
     """CE at every exit and mean ||h_k|| per loop on eval_iters batches of each split, averaged over ranks.
-
     Each rank draws its batches from a generator seeded the same way at every eval, so successive evals
-    compare the model on the same data, and training's own data stream is left alone.
-    """
+    compare the model on the same data, and training's own data stream is left alone."""
     out = {}
     raw_model.eval()
     for i, split in enumerate(('train', 'val')):
         gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1) + 1 + i)
-        stats = torch.zeros(2, n_loop, device=device)  # CE per exit, ||h_k|| per loop
+        stats = torch.zeros(2, raw_model.config.n_loop, device=device)  # CE per exit, ||h_k|| per loop
         for _ in range(eval_iters):
             X, Y = get_batch(split, gen)
             with ctx:
@@ -369,165 +296,46 @@ def mean_kappa():
 
 def log_eval(it, losses, lr):
     """The eval block on stdout, one row of metrics.jsonl, and wandb if on (rank 0 only)."""
+    R = raw_model.config.n_loop
     row = lambda name, vals, fmt: f"  {name:<10}" + ''.join(format(v, fmt).rjust(11) for v in vals)
     print(f"step {it}: train loss {losses['train_ce'][-1]:.4f}, val loss {losses['val_ce'][-1]:.4f} "
           f"(final exit), lr {lr:.2e}")
-    print(row('exit k', range(1, n_loop + 1), 'd'))
+    print(row('exit k', range(1, R + 1), 'd'))
     print(row('train CE', losses['train_ce'], '.4f'))
     print(row('val CE', losses['val_ce'], '.4f'))
     print(row('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
     kappa = mean_kappa() if log_kappa else None
     if kappa is not None:
-        print(f"  kappa_R {kappa:9.3f}   (visit alignment in [0, R = {n_loop}], mean over the shared "
+        print(f"  kappa_R {kappa:9.3f}   (visit alignment in [0, R = {R}], mean over the shared "
               f"matrices, one train batch)")
     metrics = {'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
                'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
                'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
-               'tokens': it * tokens_per_iter, 'bad_steps': bad_total,
+               'tokens': it * tokens_per_iter, 'bad_steps': bad_steps.total,
                'time': round(time.time() - t_start, 3), **({'kappa': kappa} if log_kappa else {})}
     if not eval_only:
-        try:
-            with open(metrics_path, 'a', encoding='utf-8') as f:
-                f.write(json.dumps(metrics) + '\n')
-        except OSError as e:  # a full disk: the row is in the log above; the checkpoint save decides the rest
-            print(f"could not append to {metrics_path} ({first_line(e)})")
+        ops.append_metrics(metrics_path, metrics)
     if wandb_log:
         wandb.log({'iter': it, 'lr': lr, 'train/loss': metrics['train_loss'], 'val/loss': metrics['val_loss'],
                    **{f'val/ce_exit{k}': v for k, v in enumerate(losses['val_ce'], 1)},
                    **{f'norm/h{k}': v for k, v in enumerate(losses['val_norm'], 1)}})
 
-def save_checkpoint(evaluated=True):
-    """Rank 0 writes out_dir/ckpt.pt. Returns None, or, on every rank, the error (one line) if the write
-    failed: a full disk or an unwritable out_dir leaves the previous checkpoint as it was."""
-    global saved_iter
-    # every rank's random streams go into the checkpoint, so each rank resumes exactly where it was
-    rngs, data_rngs = gather(checkpoint.rng_state()), gather(train_gen.get_state())
-    error = None
-    if master_process:
-        print(f"saving checkpoint to {ckpt_path}")
-        try:
-            checkpoint.save({
-                'model': raw_model.state_dict(), 'model_args': asdict(raw_model.config),
-                'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
-                'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'dataset': dataset,
-                'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'depth_rng': depth_gen.get_state(),
-                'world_size': world_size,
-                'bad_steps': bad_total, 'evaluated': evaluated,
-            }, ckpt_path)
-        except OSError as e:  # checkpoint.save is atomic: the old file is untouched, the partial one removed
-            error = first_line(e)
-    error = from_rank0(error)
-    if error is None:
-        saved_iter = iter_num
-    return error
+def checkpoint_state(evaluated=True):
+    """What out_dir/ckpt.pt holds, on rank 0 (None elsewhere). Every rank's random streams go in, so that
+    each rank resumes exactly where it was."""
+    rngs, data_rngs = ops.gather(checkpoint.rng_state()), ops.gather(train_gen.get_state())
+    if not master_process:
+        return None
+    return {'model': raw_model.state_dict(), 'model_args': asdict(raw_model.config),
+            'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+            'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config, 'dataset': dataset,
+            'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'depth_rng': depth_gen.get_state(),
+            'world_size': world_size, 'bad_steps': bad_steps.total, 'evaluated': evaluated}
 
-def stop_all(msg):
-    """Every rank stops here together, exit code 1; rank 0 says why in one line."""
-    if master_process:
-        die(msg)
-    sys.exit(1)
-
-def save_failed(error, stopping=None):
-    """The policy for a checkpoint that could not be written (full disk, unwritable out_dir): one line with
-    the path and the error; the previous checkpoint stays as it was. Training goes on and retries at the
-    next eval (space is often freed meanwhile, and a run that stopped would lose the steps since the last
-    save anyway); it stops, exit code 1, after max_failed_saves failures in a row, at the final save, or
-    when it was stopping anyway (`stopping` says why)."""
-    kept = f"{ckpt_path} still holds iter {saved_iter}" if saved_iter is not None else "no checkpoint yet"
-    msg = f"iter {iter_num}: could not save {ckpt_path} ({error}); {kept}"
-    if failed_saves >= max_failed_saves:
-        stopping = f"{failed_saves} failed saves in a row (max_failed_saves={max_failed_saves})"
-    elif iter_num >= max_iters:
-        stopping = "this was the final save"
-    if stopping:
-        stop_all(f"{msg}; stopping: {stopping}; free space or fix out_dir, then rerun with --init_from=auto")
-    if master_process:
-        print(f"{msg}; training goes on and retries at the next eval ({failed_saves} of "
-              f"max_failed_saves={max_failed_saves} in a row)")
-
-def stop_at_signal():
-    """All ranks agreed to stop after this step (a stop signal reached at least one of them): save where the
-    run is, say how to continue, exit 0."""
-    why = f"stopped by {stop_signal or 'a stop signal to another rank'} at iter {iter_num}"
-    error = save_checkpoint(evaluated=False)
-    if error:
-        save_failed(error, stopping=why)
-    if master_process:
-        print(f"{why}: checkpoint {ckpt_path}; continue with the same command and --init_from=auto "
-              f"(or resume)", flush=True)
-    if ddp:
-        # leave at once: the work is saved, and a gloo thread still winding down while the interpreter
-        # shuts down can abort the process (exit -6), which a scheduler would read as a failure
-        end_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    sys.exit(0)
-
-def lost_a_rank(e):
-    """Under DDP, a rank that died (or stalled past collective_timeout) shows up in the others' next
-    collective as a RuntimeError from gloo or NCCL: each surviving rank stops with one line. Anything else
-    is a bug to see in full, so it is raised again."""
-    text = str(e).lower()
-    if not (ddp and (isinstance(e, dist.DistError) or 'gloo' in text or 'nccl' in text)):
-        raise e
-    kept = f"{ckpt_path} (iter {saved_iter}) is intact" if saved_iter is not None else "no checkpoint yet"
-    die(f"rank {rank}: a collective failed at iter {iter_num} ({first_line(e)}); another process died or "
-        f"stalled (collective_timeout={collective_timeout}s); {kept}: rerun with --init_from=auto")
-
-def eta(it):
-    """Seconds to max_iters after step `it`: the steps left at the running step time (an exponential
-    average that leaves evals out) plus the evals left at the last one's duration."""
-    evals_left = max_iters // eval_interval - it // eval_interval + (max_iters % eval_interval != 0)
-    return (max_iters - it - 1) * step_time + evals_left * eval_time
-
-@torch.no_grad()
-def nonfinite_report(X, Y):
-    """Which exit's CE or which loop's state went non-finite on batch (X, Y), as one short phrase.
-    exit_losses runs the same loop as the loss, so a NaN that starts at loop k shows up from exit k on."""
-    with ctx:
-        ce, norms = raw_model.exit_losses(X, Y)
-    bad = lambda vals: ', '.join(str(k) for k, v in enumerate(vals.tolist(), start=1) if not math.isfinite(v))
-    parts = [f"CE at exit {bad(ce)}"] * bool(bad(ce)) + [f"||h_k|| at loop {bad(norms)}"] * bool(bad(norms))
-    if parts:
-        return "non-finite " + " and ".join(parts)
-    if norm_penalty > 0:  # every exit is finite but lambda * mean(h^2) can still overflow
-        return "every exit CE and loop norm is finite: the norm penalty term or the backward pass overflowed"
-    return "every exit CE and loop norm is finite on this batch: the backward pass (or another rank) broke"
-
-def skip_bad_step(X, Y, lossf, grad_norm):
-    """The update was skipped: say where the non-finite value came from, and stop if it keeps happening."""
-    reports = gather(nonfinite_report(X, Y))
-    if master_process:
-        where = '; '.join(f"rank {r}: {s}" for r, s in enumerate(reports)) if ddp else reports[0]
-        print(f"iter {iter_num}: non-finite loss ({lossf:.4g}) or grad norm ({grad_norm.item():.4g}), "
-              f"update skipped ({bad_in_a_row} in a row, {bad_total} total); {where}")
-    if bad_in_a_row >= max_bad_steps:
-        die(f"stopping at iter {iter_num}: {bad_in_a_row} consecutive steps with a non-finite loss or "
-            f"gradient (max_bad_steps={max_bad_steps}); {ckpt_path} holds the last good state: lower "
-            f"learning_rate or check the data, then resume")
-
-# metrics.jsonl: one JSON object per eval. A resumed run drops rows past the checkpoint's iteration (they
-# came from work the checkpoint does not hold, and will be redone); a new run starts a new file.
-metrics_path = os.path.join(out_dir, 'metrics.jsonl')
+metrics_path = os.path.join(out_dir, 'metrics.jsonl')  # one JSON object per eval
 if master_process:
-    rows = []
-    try:  # an unwritable out_dir stops the run here, before any training
-        os.makedirs(out_dir, exist_ok=True)
-        if init_from == 'resume' and os.path.exists(metrics_path):
-            with open(metrics_path, encoding='utf-8') as f:
-                for line in f:
-                    try:
-                        if json.loads(line)['iter'] <= iter_num:
-                            rows.append(line if line.endswith('\n') else line + '\n')
-                    except (ValueError, KeyError, TypeError):
-                        pass  # a line torn by a crash mid-write
-        if not eval_only:
-            with open(metrics_path + '.tmp', 'w', encoding='utf-8') as f:
-                f.writelines(rows)
-            os.replace(metrics_path + '.tmp', metrics_path)
-    except OSError as e:
-        die(f"cannot write to out_dir={out_dir!r}: {first_line(e)}")
+    # a resumed run drops the rows past its checkpoint's iteration; a new run starts a new file
+    ops.start_metrics(out_dir, metrics_path, iter_num if init_from == 'resume' else None, not eval_only)
     if wandb_log:
         try:
             import wandb
@@ -538,9 +346,7 @@ if master_process:
 # -----------------------------------------------------------------------------
 # training loop
 
-bad_in_a_row, failed_saves, stop = 0, 0, False
-step_time = eval_time = 0.0  # seconds: running average of a training step, the last eval (for the ETA)
-start_iter = iter_num
+eta = ops.ETA(iter_num, max_iters, eval_interval)
 t_start = t0 = time.time()
 try:  # under DDP, a collective that fails because another rank died ends up in lost_a_rank
     while True:
@@ -562,11 +368,8 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
             val_loss = losses['val_ce'][-1]
             if iter_num > 0 and not eval_only and (val_loss < best_val_loss or always_save_checkpoint):
                 best_val_loss = min(best_val_loss, val_loss)
-                error = save_checkpoint()
-                failed_saves = 0 if error is None else failed_saves + 1
-                if error:
-                    save_failed(error)
-            eval_time, t0 = time.time() - t0, time.time()  # the step time below leaves the eval out
+                saver.save(checkpoint_state(), iter_num)  # a failed write is retried at the next eval
+            eta.eval_time, t0 = time.time() - t0, time.time()  # the step time below leaves the eval out
         if iter_num >= max_iters or eval_only:
             break
 
@@ -587,46 +390,36 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         scaler.unscale_(optimizer)  # no-op unless fp16: gradients back to their true scale before clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
 
-        # the non-finite guard and the stop signal: one small all-reduce (and one sync) per step. The summed
-        # loss turns NaN if any rank's loss did, and the summed stop flag is nonzero if any rank got a stop
-        # signal, so every rank takes the same decisions. Under fp16 an inf gradient with a finite loss is
-        # the GradScaler's business (it skips the step and lowers the scale), not a bad step.
-        # R and R^2 ride along: their sums equal world_size * R and world_size * R^2 only if every rank drew R
-        flags = torch.cat([torch.stack([loss_sum, (~torch.isfinite(grad_norm)).float()]),
-                           torch.tensor([float(stop_signal is not None), R, R * R], device=device)])
-        if ddp:
-            dist.all_reduce(flags)
-        lossf, grad_bad, stop, r_sum, r2_sum = flags.tolist()
-        assert (r_sum, r2_sum) == (world_size * R, world_size * R ** 2), f"ranks drew other R at {iter_num}"
-        lossf /= world_size
-        ok = math.isfinite(lossf) and (grad_bad == 0 or scaler.is_enabled())
+        # every rank takes the same decisions: a NaN loss or gradient on any rank skips the update everywhere,
+        # a stop signal to any rank stops them all after this step
+        step = ops.agree(loss_sum, grad_norm, stop_signals.name is not None, R)
+        # under fp16 an inf gradient with a finite loss is the GradScaler's business (it skips the step and
+        # lowers the scale), not a bad step
+        ok = math.isfinite(step.loss) and (not step.grad_bad or scaler.is_enabled())
         if ok:
             scaler.step(optimizer)  # optimizer.step() unless fp16
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        bad_in_a_row = 0 if ok else bad_in_a_row + 1
-        if not ok:
-            bad_total += 1
-            skip_bad_step(X, Y, lossf, grad_norm)
+        bad_steps.count(ok, iter_num, step.loss, grad_norm, X, Y)  # says why it skipped; stops if it repeats
 
         # timing and logging; the first step of a run (warm-up, compilation) does not count for the ETA
         t1 = time.time()
         dt, t0 = t1 - t0, t1
-        step_time = dt if iter_num <= start_iter + 1 else 0.9 * step_time + 0.1 * dt
+        eta.step(iter_num, dt)
         if iter_num % log_interval == 0 and master_process:
             mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
-            print(f"iter {iter_num}: loss {lossf:.4f}" + (f" (R {R})" if loop_sampling != 'fixed' else '')
+            print(f"iter {iter_num}: loss {step.loss:.4f}"
+                  + (f" (R {R})" if raw_model.config.loop_sampling != 'fixed' else '')
                   + f", lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                   f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else '')
-                  + f", ETA {duration(eta(iter_num))}")
+                  + f", ETA {duration(eta.left(iter_num))}")
         iter_num += 1
-        if stop:
-            break
-    if stop:
-        stop_at_signal()
+        if step.stop:
+            ops.stop_at_signal(saver, checkpoint_state(evaluated=False), iter_num, stop_signals.name,
+                               globals())
 except RuntimeError as e:
-    lost_a_rank(e)
+    ops.lost_a_rank(e, iter_num, saver, collective_timeout)
 
 if master_process and not eval_only:
-    print(f"done: {iter_num} iterations, {time.time() - t_start:.1f}s this run, {bad_total} skipped steps; "
-          f"checkpoint {ckpt_path}, metrics {metrics_path}")
+    print(f"done: {iter_num} iterations, {time.time() - t_start:.1f}s this run, {bad_steps.total} skipped "
+          f"steps; checkpoint {ckpt_path}, metrics {metrics_path}")
