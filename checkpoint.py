@@ -6,6 +6,7 @@ Checkpoints and random-number state: what a run needs to stop and continue bit f
     build_model(ckpt)        the GPT it describes, with its weights
     load_weights(model, sd)  weights into a model, whether saved from a compiled, DDP or plain model
     rng_state() / set_rng_state(s)   python, numpy, torch and CUDA generators as plain data
+    resume, check_tokens, load_optimizer, load_streams   what train.py continues from
 """
 import os
 import random
@@ -132,7 +133,8 @@ def set_rng_state(state):
 def resume(config, explicit):
     """train.py's init_from: 'auto' resumes if out_dir holds ckpt.pt (a requeued job reruns the same
     command), else starts from scratch. A resumed run takes the checkpoint's config as the base, and only
-    what this command sets explicitly overrides it. Returns (config, the checkpoint or None, lines to print)."""
+    what this command sets explicitly overrides it. Returns (config, the checkpoint or None, the lines
+    to print)."""
     path = os.path.join(config['out_dir'], 'ckpt.pt')
     if config['init_from'] == 'auto':
         config['init_from'] = 'resume' if os.path.exists(path) else 'scratch'
@@ -147,6 +149,14 @@ def resume(config, explicit):
     config, changes = resume_config(config, explicit, ckpt, path)
     explicit.add('vocab_size')  # the checkpoint's, not meta.json's
     return config, ckpt, [f"resume: {change}" for change in changes]
+
+
+def check_tokens(ckpt, meta_id, path, data_dir):
+    """Dies unless data_dir's tokens (meta_id: tokenizer, vocab_size, itos) are the ones ckpt trained on."""
+    differ = [k for k in meta_id if k in (ckpt.get('meta') or {}) and ckpt['meta'][k] != meta_id[k]]
+    if differ or ckpt['model_args']['vocab_size'] < meta_id['vocab_size']:
+        die(f"{data_dir}/meta.json disagrees with {path} ({', '.join(differ) or 'vocab_size'}: the "
+            f"checkpoint was trained on other tokens); resume with its dataset {ckpt.get('dataset')!r}")
 
 
 def load_optimizer(optimizer, scaler, ckpt, path):

@@ -1,23 +1,21 @@
 """
-Train a looped GPT. Runs on one CPU, one GPU, or several GPUs (or CPU processes) with DDP.
+Train a looped GPT on one CPU, one GPU, or several GPUs (or CPU processes) with DDP.
 
-With no arguments it trains a small looped GPT on shakespeare_char in about five minutes on a laptop CPU:
-per-loop cross-entropy through an RMSNorm readout, the setting where paper 1's readout blind spot appears
-(docs/papers.md §1). Watch ||h_k|| grow in the eval blocks.
+With no arguments it trains a small looped GPT on shakespeare_char in about five minutes on a
+laptop CPU, in the setting where paper 1's readout blind spot appears (docs/papers.md §1): watch
+||h_k|| grow in the eval blocks.
 
     python train.py                                            # the embedded default
     python train.py config/loop_raw.py                         # one ablation arm
-    python train.py config/paper_44m.py config/loop_raw.py     # a GPU preset + an arm (files apply in order)
+    python train.py config/paper_44m.py config/loop_raw.py     # a GPU preset, then an arm
     python train.py config/loop_raw.py --max_iters=500 --lr_schedule=cosine
-    python train.py --init_from=resume --max_iters=6000        # continue out/ckpt.pt where it stopped
-    python train.py config/paper_44m.py --init_from=auto       # resume if out/ckpt.pt exists, else start
-    python train.py config/deeploop.py --print_config=True     # the resolved config as JSON, then exit
+    python train.py --init_from=resume --max_iters=6000        # continue out/ckpt.pt
+    python train.py config/paper_44m.py --init_from=auto       # resume if out/ckpt.pt exists
+    python train.py config/deeploop.py --print_config=True     # the resolved config, as JSON
     torchrun --standalone --nproc_per_node=4 train.py config/paper_44m.py    # DDP on 4 GPUs
 
-Every eval_interval it prints train/val cross-entropy at every exit 1..R and the mean norm ||h_k|| of
-every loop state, and appends them to out_dir/metrics.jsonl. Ctrl-C, SIGTERM or SIGUSR1 stops the run
-after the current step with a checkpoint and exit code 0; the same command with --init_from=auto continues
-it bit for bit (ops.py has the rest of what keeps a long run alive).
+Ctrl-C, SIGTERM or SIGUSR1 stops a run after the current step with a checkpoint (exit code 0);
+the same command with --init_from=auto continues it bit for bit.
 """
 
 import atexit
@@ -45,29 +43,27 @@ from model import GPT, GPTConfig
 from prepare import open_data
 
 # -----------------------------------------------------------------------------
-# default config values: a small looped GPT on shakespeare_char, per-loop CE + RMSNorm readout (§1)
+# default config values: a small looped GPT on shakespeare_char, per-loop CE + RMSNorm readout
+# (§1). The model's keys are the fields of model.GPTConfig (n_layer, n_loop, readout, ...): their
+# defaults, allowed values and meanings are there, in one place.
 # I/O
 out_dir = 'out'                  # ckpt.pt and metrics.jsonl go here
 eval_interval = 250              # evaluate (and checkpoint) every this many iterations
 log_interval = 50                # print the training loss every this many iterations
-eval_iters = 10                  # batches per split per evaluation (the same batches every time)
+eval_iters = 10                  # batches per split per eval (the same batches every time)
 eval_only = False                # evaluate once and exit
-log_kappa = False                # also log kappa_R at each eval (docs/papers.md §2: mean visit alignment of
-                                 # the shared matrices on one train batch); costs one extra backward pass
+log_kappa = False                # also log kappa_R (docs/papers.md §2), one more backward pass
 always_save_checkpoint = True    # save at every eval, not only when the val loss improves
-init_from = 'scratch'            # 'scratch', 'resume' (from out_dir/ckpt.pt), or 'auto': resume if out_dir
-                                 # holds ckpt.pt, else scratch (a requeued job reruns the same command)
-print_config = False             # print the resolved config as one JSON line and exit (what ablate.py reads)
+init_from = 'scratch'            # scratch | resume (out_dir/ckpt.pt) | auto: resume if it exists
+print_config = False             # print the resolved config as JSON and exit (ablate.py reads it)
 # wandb logging
 wandb_log = False                # wandb is imported only when this is on
 wandb_project = 'nanoloop'
 wandb_run_name = 'run'
 # data
-dataset = 'shakespeare_char'     # data/<dataset>/{train,val}.bin + meta.json (python prepare.py <dataset>)
-gradient_accumulation_steps = 1  # micro-batches per optimizer step in all, shared out over the DDP ranks
+dataset = 'shakespeare_char'     # data/<dataset>/, written by python prepare.py <dataset>
+gradient_accumulation_steps = 1  # micro-batches per optimizer step, shared out over the DDP ranks
 batch_size = 8                   # sequences per micro-batch
-# model: every field of model.GPTConfig is a config key too (n_layer, n_loop, readout, block, ...); their
-# defaults, allowed values and meanings are there, in one place. The embedded default is GPTConfig().
 # AdamW optimizer
 learning_rate = 1e-3             # max learning rate (paper 1: 3e-4, slow for a 5-minute run)
 max_iters = 2000                 # total number of training iterations
@@ -81,20 +77,16 @@ warmup_iters = 0                 # linear warmup steps (both schedules)
 lr_decay_iters = 2000            # cosine: reaches min_lr here, ~= max_iters per Chinchilla
 min_lr = 1e-4                    # cosine: final learning rate, ~= learning_rate/10 per Chinchilla
 # reliability
-max_bad_steps = 10               # stop after this many consecutive steps with a non-finite loss or gradient
-max_failed_saves = 3             # a failed checkpoint write (full disk) is retried at the next eval; stop
-                                 # after this many failures in a row
-collective_timeout = 600         # DDP: seconds a collective waits for a dead or stalled rank before the run
-                                 # stops (longer than a checkpoint write, which the others wait for)
+max_bad_steps = 10               # stop after this many non-finite steps in a row (each is skipped)
+max_failed_saves = 3             # stop after this many failed saves in a row (each is retried)
+collective_timeout = 600         # DDP: seconds to wait for a dead or stalled rank (> one save)
 # system
 device = 'auto'                  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 on CUDA (fp16 without bf16) and
-                                 # on CPUs with bf16 units, else fp32 (hardware.auto_dtype)
+dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 where the chip has it,
+                                 # else fp16 on CUDA and fp32 elsewhere (hardware.auto_dtype)
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337
 # -----------------------------------------------------------------------------
-# training keys are the globals above; model keys are the fields of model.GPTConfig (their defaults, allowed
-# values and meanings are there, in one place) and reach the model as model_args
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
 defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
@@ -105,8 +97,8 @@ configurator.check(config)  # choices and ranges, GPTConfig's own validation
 if config['print_config']:
     print(json.dumps(config))
     sys.exit(0)
-globals().update({k: config[k] for k in config_keys})
-model_args = {k: config[k] for k in configurator.model_keys()}
+globals().update({k: config[k] for k in config_keys})  # the training keys, as nanoGPT does
+model_args = {k: config[k] for k in configurator.model_keys()}  # the model keys, for GPTConfig
 # -----------------------------------------------------------------------------
 # processes and devices
 
@@ -129,11 +121,11 @@ if ddp:
     dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo',
                             timeout=timedelta(seconds=collective_timeout))
     atexit.register(ops.end_process_group, globals())
-stop_signals = ops.StopSignals()  # Ctrl-C, SIGTERM and SIGUSR1 now stop the run after a step, with a save
+stop_signals = ops.StopSignals()  # from here on, Ctrl-C stops the run after a step, with a save
 
-# nanoGPT's convention: gradient_accumulation_steps counts the micro-batches of one optimizer step over all
-# ranks, so the global batch does not depend on the process count; each rank runs its share, rounded up
-micro_steps = math.ceil(gradient_accumulation_steps / world_size)  # micro-batches per rank per step
+# nanoGPT's convention: gradient_accumulation_steps counts the micro-batches of one optimizer step over
+# all ranks, so the global batch does not depend on the process count; each rank runs its share
+micro_steps = math.ceil(gradient_accumulation_steps / world_size)  # per rank and step
 block_size = model_args['block_size']  # the context length T, as the model sees it
 tokens_per_iter = micro_steps * world_size * batch_size * block_size
 if device_type == 'cpu' and 'OMP_NUM_THREADS' not in os.environ:
@@ -150,14 +142,15 @@ if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
     torch.backends.cudnn.allow_tf32 = True        # allow tf32 on cudnn
 # the forward pass runs under autocast in bf16/fp16; weights, optimizer and loss stay float32
-ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 has float32's range
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
-torch.manual_seed(seed + rank)  # dropout differs between ranks; DDP broadcasts rank 0's initial weights
+torch.manual_seed(seed + rank)  # dropout differs between ranks; DDP broadcasts rank 0's weights
 if master_process:
     threads = f", {torch.get_num_threads()} threads" if device_type == 'cpu' else ''
-    print(f"device: {device}{threads}, {dtype}{dtype_note}, {world_size} process(es); tokens per iteration: "
-          f"{tokens_per_iter:,} ({micro_steps * world_size} x {batch_size} x {block_size})")
+    print(f"device: {device}{threads}, {dtype}{dtype_note}, {world_size} process(es); "
+          f"tokens per iteration: {tokens_per_iter:,} ({micro_steps * world_size} x {batch_size} x "
+          f"{block_size})")
     if micro_steps * world_size != gradient_accumulation_steps:
         print(f"gradient_accumulation_steps={gradient_accumulation_steps} rounded up to "
               f"{micro_steps * world_size}: {micro_steps} per process on {world_size} processes")
@@ -168,20 +161,18 @@ if master_process:
 # data
 
 data_dir = os.path.join('data', dataset)
-if not os.path.exists(os.path.join(data_dir, 'meta.json')) and dataset in ('shakespeare_char', 'shakespeare'):
+shakespeare = dataset in ('shakespeare_char', 'shakespeare')
+if shakespeare and not os.path.exists(os.path.join(data_dir, 'meta.json')):
     if master_process:  # the other ranks wait at the barrier (torchrun ends them if this one fails)
         print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
-        import prepare  # downloads tinyshakespeare once; offline, it dies naming the command to run instead
+        import prepare  # downloads tinyshakespeare once; offline, it says what to run instead
         prepare.prepare(dataset)
     if ddp:
         dist.barrier()
-meta = open_data(data_dir, block_size)  # checks files, token ids < vocab_size, and block_size vs. the splits
-meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what a checkpoint's tokens mean
+meta = open_data(data_dir, block_size)  # checks the files, the token ids and the split sizes
+meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what the tokens mean
 if ckpt is not None:
-    differ = [k for k in meta_id if k in (ckpt.get('meta') or {}) and ckpt['meta'][k] != meta_id[k]]
-    if differ or model_args['vocab_size'] < meta['vocab_size']:
-        die(f"{data_dir}/meta.json disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: the "
-            f"checkpoint was trained on other tokens); resume with its dataset {ckpt.get('dataset')!r}")
+    checkpoint.check_tokens(ckpt, meta_id, ckpt_path, data_dir)  # a resume keeps its tokens
 if 'vocab_size' not in explicit:
     model_args['vocab_size'] = meta['vocab_size']
 elif model_args['vocab_size'] < meta['vocab_size']:
@@ -189,9 +180,9 @@ elif model_args['vocab_size'] < meta['vocab_size']:
 token_dtype = np.dtype(meta['dtype'])
 
 def get_batch(split, generator):
-    """(X, Y) of shape (B, T): random windows of the split and the same windows shifted by one token.
-    Offsets come from `generator`, a torch.Generator private to this data stream, so the data order does
-    not depend on anything else that draws random numbers, and its state can go into the checkpoint."""
+    """(X, Y) of shape (B, T): random windows of the split, and the same windows one token later.
+    The offsets come from `generator`, private to this data stream, so that the data order depends
+    on nothing else that draws random numbers and its state can go into the checkpoint."""
     # a fresh memmap per batch, as nanoGPT does: a long-lived one keeps growing the process's memory
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=token_dtype, mode='r')
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator).tolist()
@@ -199,7 +190,8 @@ def get_batch(split, generator):
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
     if device_type == 'cuda':
         # pinned memory lets the copy to the GPU run asynchronously (non_blocking)
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 if init_from == 'scratch' and os.path.exists(ckpt_path) and not eval_only:
@@ -216,21 +208,21 @@ if ckpt is not None:
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 iter_num, best_val_loss, bad_total = 0, float('inf'), 0
-saved_iter, skip_eval_at = None, None  # the iteration out_dir/ckpt.pt holds; one not to evaluate again
+skip_eval_at = None  # an iteration not to evaluate again
 train_gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # this rank's training batches
-depth_gen = torch.Generator().manual_seed(seed)  # loop counts (loop_sampling): seeded alike on every rank
+depth_gen = torch.Generator().manual_seed(seed)  # loop counts: the same stream on every rank
 if ckpt is not None:
     checkpoint.load_optimizer(optimizer, scaler, ckpt, ckpt_path)
     iter_num, best_val_loss = ckpt['iter_num'], float(ckpt.get('best_val_loss', float('inf')))
-    bad_total, saved_iter = int(ckpt.get('bad_steps', 0)), iter_num
-    # a checkpoint written at an eval was evaluated and logged there; one written when a signal stopped the
-    # run was not, so this run evaluates that iteration if it is an eval iteration, as an uninterrupted one
+    bad_total = int(ckpt.get('bad_steps', 0))
+    # a checkpoint written at an eval was evaluated and logged there; one written when a signal
+    # stopped the run was not, so this run evaluates that iteration as an uninterrupted run would
     if ckpt.get('evaluated', True) and not eval_only:
         skip_eval_at = iter_num
-    why = checkpoint.load_streams(ckpt, rank, world_size, train_gen, depth_gen)
-    if master_process and why:
-        print(f"resume: the checkpoint {why}: random streams are reseeded (not bit for bit from here)")
+    why = checkpoint.load_streams(ckpt, rank, world_size, train_gen, depth_gen)  # None: done
     if master_process:
+        if why:
+            print(f"resume: the checkpoint {why}: random streams are reseeded (not bit for bit from here)")
         print(f"resuming from {ckpt_path} at iter {iter_num}")
     del ckpt  # free the memory
 raw_model = model  # the plain GPT: its state_dict has no '_orig_mod.' / 'module.' prefixes
@@ -238,27 +230,28 @@ if compile:
     if master_process:
         print("compiling the model... (takes a ~minute)")
     if raw_model.config.loop_sampling != 'fixed':
-        # one graph per loop count drawn (the loop unrolls): at most max_loop of them, so let dynamo keep that
-        # many instead of falling back to eager after its default limit of 8
+        # one graph per loop count drawn (the loop unrolls): at most max_loop of them, so let dynamo
+        # keep that many instead of falling back to eager after its default limit of 8
         cap = raw_model.config.loop_cap + 1
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, cap)
-    # static shapes: a new loop count is a new graph, not a symbolic one (the loop's python range unrolls)
+    # static shapes: a new loop count is a new graph, not a symbolic one (the python loop unrolls)
     model = torch.compile(model, dynamic=False)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+saved_iter = iter_num if init_from == 'resume' else None  # what out_dir/ckpt.pt holds
 saver = ops.Saver(ckpt_path, max_iters, max_failed_saves, saved_iter)
-bad_steps = ops.BadSteps(raw_model, ctx, max_bad_steps, ckpt_path, bad_total)
+bad_steps = ops.BadSteps(raw_model, ctx, max_bad_steps, ckpt_path, bad_total)  # non-finite steps
 
 @torch.no_grad()
 def estimate_loss():
-    """CE at every exit and mean ||h_k|| per loop on eval_iters batches of each split, averaged over ranks.
-    Each rank draws its batches from a generator seeded the same way at every eval, so successive evals
-    compare the model on the same data, and training's own data stream is left alone."""
+    """CE at every exit and mean ||h_k|| per loop on eval_iters batches of each split, averaged
+    over the ranks. Each rank draws its batches from a generator seeded the same way at every eval,
+    so that successive evals see the same data, and training's own data stream is left alone."""
     out = {}
     raw_model.eval()
     for i, split in enumerate(('train', 'val')):
         gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1) + 1 + i)
-        stats = torch.zeros(2, raw_model.config.n_loop, device=device)  # CE per exit, ||h_k|| per loop
+        stats = torch.zeros(2, raw_model.config.n_loop, device=device)  # CE, ||h_k|| per loop
         for _ in range(eval_iters):
             X, Y = get_batch(split, gen)
             with ctx:
@@ -286,7 +279,7 @@ def get_lr(it):
     return min_lr + coeff * (learning_rate - min_lr)
 
 def mean_kappa():
-    """kappa_R of the training loss on one fixed training batch, averaged over the shared matrices (§2)."""
+    """kappa_R of the loss on one fixed training batch, the mean over the shared matrices (§2)."""
     X, Y = get_batch('train', torch.Generator().manual_seed(seed + 1))
     raw_model.eval()
     with ctx:
@@ -297,32 +290,26 @@ def mean_kappa():
 def log_eval(it, losses, lr):
     """The eval block on stdout, one row of metrics.jsonl, and wandb if on (rank 0 only)."""
     R = raw_model.config.n_loop
-    row = lambda name, vals, fmt: f"  {name:<10}" + ''.join(format(v, fmt).rjust(11) for v in vals)
+    line = lambda name, vals, fmt: f"  {name:<10}" + ''.join(format(v, fmt).rjust(11) for v in vals)
     print(f"step {it}: train loss {losses['train_ce'][-1]:.4f}, val loss {losses['val_ce'][-1]:.4f} "
           f"(final exit), lr {lr:.2e}")
-    print(row('exit k', range(1, R + 1), 'd'))
-    print(row('train CE', losses['train_ce'], '.4f'))
-    print(row('val CE', losses['val_ce'], '.4f'))
-    print(row('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
+    print(line('exit k', range(1, R + 1), 'd'))
+    print(line('train CE', losses['train_ce'], '.4f'))
+    print(line('val CE', losses['val_ce'], '.4f'))
+    print(line('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
     kappa = mean_kappa() if log_kappa else None
     if kappa is not None:
         print(f"  kappa_R {kappa:9.3f}   (visit alignment in [0, R = {R}], mean over the shared "
               f"matrices, one train batch)")
-    metrics = {'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
-               'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
-               'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
-               'tokens': it * tokens_per_iter, 'bad_steps': bad_steps.total,
-               'time': round(time.time() - t_start, 3), **({'kappa': kappa} if log_kappa else {})}
-    if not eval_only:
-        ops.append_metrics(metrics_path, metrics)
-    if wandb_log:
-        wandb.log({'iter': it, 'lr': lr, 'train/loss': metrics['train_loss'], 'val/loss': metrics['val_loss'],
-                   **{f'val/ce_exit{k}': v for k, v in enumerate(losses['val_ce'], 1)},
-                   **{f'norm/h{k}': v for k, v in enumerate(losses['val_norm'], 1)}})
+    metrics.log({'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
+                 'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
+                 'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
+                 'tokens': it * tokens_per_iter, 'bad_steps': bad_steps.total,
+                 'time': round(time.time() - t_start, 3), **({'kappa': kappa} if log_kappa else {})})
 
 def checkpoint_state(evaluated=True):
-    """What out_dir/ckpt.pt holds, on rank 0 (None elsewhere). Every rank's random streams go in, so that
-    each rank resumes exactly where it was."""
+    """What out_dir/ckpt.pt holds, on rank 0 (None elsewhere). Every rank's random streams go
+    in, so that each rank resumes exactly where it was."""
     rngs, data_rngs = ops.gather(checkpoint.rng_state()), ops.gather(train_gen.get_state())
     if not master_process:
         return None
@@ -332,16 +319,9 @@ def checkpoint_state(evaluated=True):
             'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'depth_rng': depth_gen.get_state(),
             'world_size': world_size, 'bad_steps': bad_steps.total, 'evaluated': evaluated}
 
-metrics_path = os.path.join(out_dir, 'metrics.jsonl')  # one JSON object per eval
-if master_process:
-    # a resumed run drops the rows past its checkpoint's iteration; a new run starts a new file
-    ops.start_metrics(out_dir, metrics_path, iter_num if init_from == 'resume' else None, not eval_only)
-    if wandb_log:
-        try:
-            import wandb
-        except ImportError:
-            die("wandb_log=True but wandb is not installed: pip install wandb")
-        wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+if master_process:  # out_dir/metrics.jsonl, and wandb if on
+    wandb_init = dict(project=wandb_project, name=wandb_run_name, config=config) if wandb_log else None
+    metrics = ops.Metrics(out_dir, saved_iter, not eval_only, wandb_init)
 
 # -----------------------------------------------------------------------------
 # training loop
@@ -358,51 +338,48 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
 
         # evaluate, log and checkpoint (all ranks take part: the eval is averaged over them)
         if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != skip_eval_at:
-            if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
-                # the guard below keeps non-finite updates out; if the weights broke anyway, keep the last one
-                die(f"non-finite weights at iter {iter_num}: not saving; {ckpt_path} (last good checkpoint) "
-                    f"is untouched")
+            bad_steps.check_weights(iter_num)  # broken weights are never saved
             losses = estimate_loss()
             if master_process:
                 log_eval(iter_num, losses, lr)
             val_loss = losses['val_ce'][-1]
             if iter_num > 0 and not eval_only and (val_loss < best_val_loss or always_save_checkpoint):
                 best_val_loss = min(best_val_loss, val_loss)
-                saver.save(checkpoint_state(), iter_num)  # a failed write is retried at the next eval
-            eta.eval_time, t0 = time.time() - t0, time.time()  # the step time below leaves the eval out
+                saver.save(checkpoint_state(), iter_num)  # a failed write is retried next time
+            eta.eval_time, t0 = time.time() - t0, time.time()  # the step time leaves the eval out
         if iter_num >= max_iters or eval_only:
             break
 
         # this step's loop count: n_loop, or a draw when loop_sampling is on (docs/papers.md §4)
         R = raw_model.draw_n_loop(depth_gen)
-        # forward and backward over the micro-batches; the loss is divided by their number so the gradients
-        # add up to the mean over micro-batches, and DDP averages over ranks: the mean over the global batch
+        # forward and backward over the micro-batches; the loss is divided by their number so that
+        # the gradients add up to their mean, and DDP averages over ranks: the global batch's mean
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(micro_steps):
             X, Y = get_batch('train', train_gen)
-            # under DDP, all-reduce the gradients only on the last micro-step (the others just accumulate)
+            # under DDP, all-reduce the gradients only on the last micro-step (the others accumulate)
             with model.no_sync() if ddp and micro_step < micro_steps - 1 else nullcontext():
                 with ctx:
                     _, loss = model(X, Y, n_loop=R)
                     loss = loss / micro_steps
                 scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
-        scaler.unscale_(optimizer)  # no-op unless fp16: gradients back to their true scale before clipping
+        scaler.unscale_(optimizer)  # fp16 only: the gradients' true scale, before clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
 
-        # every rank takes the same decisions: a NaN loss or gradient on any rank skips the update everywhere,
-        # a stop signal to any rank stops them all after this step
+        # every rank takes the same decisions: a NaN loss or gradient on any rank skips the update
+        # everywhere, and a stop signal to any rank stops them all after this step
         step = ops.agree(loss_sum, grad_norm, stop_signals.name is not None, R)
-        # under fp16 an inf gradient with a finite loss is the GradScaler's business (it skips the step and
-        # lowers the scale), not a bad step
+        # under fp16 an inf gradient with a finite loss is the GradScaler's business (it skips the
+        # step and lowers the scale), not a bad step
         ok = math.isfinite(step.loss) and (not step.grad_bad or scaler.is_enabled())
         if ok:
             scaler.step(optimizer)  # optimizer.step() unless fp16
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        bad_steps.count(ok, iter_num, step.loss, grad_norm, X, Y)  # says why it skipped; stops if it repeats
+        bad_steps.count(ok, iter_num, step.loss, grad_norm, X, Y)  # says why; stops if it repeats
 
-        # timing and logging; the first step of a run (warm-up, compilation) does not count for the ETA
+        # timing and logging; the ETA leaves out the run's first step (warm-up, compilation)
         t1 = time.time()
         dt, t0 = t1 - t0, t1
         eta.step(iter_num, dt)
@@ -415,11 +392,10 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
                   + f", ETA {duration(eta.left(iter_num))}")
         iter_num += 1
         if step.stop:
-            ops.stop_at_signal(saver, checkpoint_state(evaluated=False), iter_num, stop_signals.name,
-                               globals())
+            ops.stop_at_signal(saver, checkpoint_state(False), iter_num, stop_signals.name, globals())
 except RuntimeError as e:
     ops.lost_a_rank(e, iter_num, saver, collective_timeout)
 
 if master_process and not eval_only:
-    print(f"done: {iter_num} iterations, {time.time() - t_start:.1f}s this run, {bad_steps.total} skipped "
-          f"steps; checkpoint {ckpt_path}, metrics {metrics_path}")
+    print(f"done: {iter_num} iterations, {time.time() - t_start:.1f}s this run, "
+          f"{bad_steps.total} skipped steps; checkpoint {ckpt_path}, metrics {metrics.path}")
