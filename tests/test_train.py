@@ -228,8 +228,8 @@ def test_default_run_downloads_and_prepares_missing_shakespeare_char(tmp_path, m
 
 
 def test_dtype_auto_says_what_it_chose_and_why(tmp_path):
-    # auto: bf16 autocast on a CPU with bf16 units, fp32 on one without (hardware.auto_dtype); the startup line
-    # names the choice and its reason
+    # auto: bf16 autocast on a CPU with bf16 units, fp32 on one without (hardware.auto_dtype); the startup
+    # line names the choice and its reason
     from hardware import auto_dtype
     write_data(tmp_path)
     args = [a for a in TINY if not a.startswith('--dtype')] + ['--max_iters=1', '--eval_interval=1']
