@@ -15,7 +15,8 @@ laptop CPU, in the setting where paper 1's readout blind spot appears (docs/pape
     torchrun --standalone --nproc_per_node=4 train.py config/paper_44m.py    # DDP on 4 GPUs
 
 Ctrl-C, SIGTERM or SIGUSR1 stops a run after the current step with a checkpoint (exit code 0);
-the same command with --init_from=auto continues it bit for bit.
+the same command with --init_from=auto continues it bit for bit. ops.py holds the rest of what
+keeps a long run alive: failed saves, non-finite steps, a dead DDP rank.
 """
 
 import atexit
@@ -87,6 +88,7 @@ dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 whe
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337
 # -----------------------------------------------------------------------------
+# the training keys are the plain values above; the model keys come from GPTConfig
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
 defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
@@ -120,7 +122,7 @@ if ddp:
     # a rank that dies or stalls makes the others' next collective fail after at most this timeout
     dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo',
                             timeout=timedelta(seconds=collective_timeout))
-    atexit.register(ops.end_process_group, globals())
+    atexit.register(ops.end_process_group, globals())  # before the interpreter shuts down
 stop_signals = ops.StopSignals()  # from here on, Ctrl-C stops the run after a step, with a save
 
 # nanoGPT's convention: gradient_accumulation_steps counts the micro-batches of one optimizer step over
@@ -219,7 +221,8 @@ if ckpt is not None:
     # stopped the run was not, so this run evaluates that iteration as an uninterrupted run would
     if ckpt.get('evaluated', True) and not eval_only:
         skip_eval_at = iter_num
-    why = checkpoint.load_streams(ckpt, rank, world_size, train_gen, depth_gen)  # None: done
+    # every rank continues its own random streams (dropout, data order) where the checkpoint left them
+    why = checkpoint.load_streams(ckpt, rank, world_size, train_gen, depth_gen)
     if master_process:
         if why:
             print(f"resume: the checkpoint {why}: random streams are reseeded (not bit for bit from here)")
@@ -385,14 +388,14 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         eta.step(iter_num, dt)
         if iter_num % log_interval == 0 and master_process:
             mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
-            print(f"iter {iter_num}: loss {step.loss:.4f}"
-                  + (f" (R {R})" if raw_model.config.loop_sampling != 'fixed' else '')
-                  + f", lr {lr:.2e}, time {dt * 1000:.1f}ms, "
+            drawn = f" (R {R})" if raw_model.config.loop_sampling != 'fixed' else ''
+            print(f"iter {iter_num}: loss {step.loss:.4f}{drawn}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                   f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else '')
                   + f", ETA {duration(eta.left(iter_num))}")
         iter_num += 1
-        if step.stop:
-            ops.stop_at_signal(saver, checkpoint_state(False), iter_num, stop_signals.name, globals())
+        if step.stop:  # save where the run is and exit 0
+            state = checkpoint_state(evaluated=False)
+            ops.stop_at_signal(saver, state, iter_num, stop_signals.name, globals())
 except RuntimeError as e:
     ops.lost_a_rank(e, iter_num, saver, collective_timeout)
 
