@@ -6,6 +6,7 @@ Checkpoints and random-number state: what a run needs to stop and continue bit f
     build_model(ckpt)        the GPT it describes, with its weights
     load_weights(model, sd)  weights into a model, whether saved from a compiled, DDP or plain model
     rng_state() / set_rng_state(s)   python, numpy, torch and CUDA generators as plain data
+    resume, check_tokens, load_optimizer, load_streams   what train.py continues from
 """
 import os
 import random
@@ -13,7 +14,7 @@ import random
 import numpy as np
 import torch
 
-from configurator import gpt_config
+from configurator import gpt_config, resume_config
 from errors import die, first_line
 from model import GPT
 
@@ -125,3 +126,63 @@ def set_rng_state(state):
     torch.set_rng_state(state['torch'].cpu())
     if state['cuda'] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state['cuda'].cpu())
+
+# -----------------------------------------------------------------------------
+# what a resumed run continues from
+
+def resume(config, explicit):
+    """train.py's init_from: 'auto' resumes if out_dir holds ckpt.pt (a requeued job reruns the same
+    command), else starts from scratch. A resumed run takes the checkpoint's config as the base, and only
+    what this command sets explicitly overrides it. Returns (config, the checkpoint or None, the lines
+    to print)."""
+    path = os.path.join(config['out_dir'], 'ckpt.pt')
+    if config['init_from'] == 'auto':
+        config['init_from'] = 'resume' if os.path.exists(path) else 'scratch'
+        if config['init_from'] == 'scratch':
+            return config, None, [f"init_from=auto: no {path} yet, starting from scratch"]
+    if config['init_from'] == 'scratch':
+        return config, None, []
+    ckpt = load(path)
+    missing = [k for k in ('optimizer', 'iter_num', 'config') if k not in ckpt]
+    if missing or not isinstance(ckpt['iter_num'], int) or not isinstance(ckpt['config'], dict):
+        die(f"{path} cannot be resumed: it lacks {', '.join(missing) or 'a valid iter_num/config'}")
+    config, changes = resume_config(config, explicit, ckpt, path)
+    explicit.add('vocab_size')  # the checkpoint's, not meta.json's
+    return config, ckpt, [f"resume: {change}" for change in changes]
+
+
+def check_tokens(ckpt, meta_id, path, data_dir):
+    """Dies unless data_dir's tokens (meta_id: tokenizer, vocab_size, itos) are the ones ckpt trained on."""
+    differ = [k for k in meta_id if k in (ckpt.get('meta') or {}) and ckpt['meta'][k] != meta_id[k]]
+    if differ or ckpt['model_args']['vocab_size'] < meta_id['vocab_size']:
+        die(f"{data_dir}/meta.json disagrees with {path} ({', '.join(differ) or 'vocab_size'}: the "
+            f"checkpoint was trained on other tokens); resume with its dataset {ckpt.get('dataset')!r}")
+
+
+def load_optimizer(optimizer, scaler, ckpt, path):
+    """AdamW's moments (and fp16's loss scale) from the checkpoint; the hyperparameters (betas, weight
+    decay) stay this run's."""
+    hyper = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        if scaler.is_enabled() and ckpt.get('scaler'):
+            scaler.load_state_dict(ckpt['scaler'])
+    except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        die(f"{path}: optimizer state does not fit this model ({first_line(e)})")
+    for g, h in zip(optimizer.param_groups, hyper):
+        g.update(h)
+
+
+def load_streams(ckpt, rank, world_size, train_gen, depth_gen):
+    """Every rank continues its own random streams (dropout, data order) where the checkpoint left them.
+    Returns None, or why they could not be (then they stay seeded as in a new run)."""
+    rngs, data_rngs = ckpt.get('rng'), ckpt.get('data_rng')
+    if ckpt.get('world_size') == world_size and isinstance(rngs, list) and isinstance(data_rngs, list):
+        set_rng_state(rngs[rank])
+        train_gen.set_state(data_rngs[rank])
+        if 'depth_rng' in ckpt:  # checkpoints from before loop_sampling have none (and needed none)
+            depth_gen.set_state(ckpt['depth_rng'])
+        return None
+    if ckpt.get('world_size') != world_size:
+        return f"was written by {ckpt.get('world_size')} process(es), this run has {world_size}"
+    return "holds no random-stream states"

@@ -26,7 +26,8 @@ from errors import duration
 
 HOOKS = textwrap.dedent('''
     # train.py with a test hook (train.py has no debug switches): at the HOOK_STEP-th optimizer step of rank
-    # HOOK_RANK, HOOK_ACTION: SIGTERM or SIGUSR1 (sent to this process), SIGKILL, or stall (sleep 10 min).
+    # HOOK_RANK, HOOK_ACTION: signals sent to this process, one after the other ('SIGTERM', 'SIGINT SIGINT',
+    # 'SIGKILL'), or stall (sleep 10 min).
     # HOOK_SAVE_SIGNALS=1: every checkpoint write also sends this process SIGTERM and SIGUSR1 halfway through.
     import os, runpy, signal, sys, time
     import torch
@@ -39,7 +40,8 @@ HOOKS = textwrap.dedent('''
         if rank == hook_rank and calls[0] == at:
             if action == 'stall':
                 time.sleep(600)
-            os.kill(os.getpid(), getattr(signal, action))
+            for name in action.split():
+                os.kill(os.getpid(), getattr(signal, name))
         return step(self, *a, **k)
     def save_with_signals(obj, f, *a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -74,7 +76,7 @@ def losses(out):
 # -----------------------------------------------------------------------------
 # preemption and requeue
 
-@pytest.mark.parametrize('sig,step,stop_iter', [('SIGTERM', 3, 4), ('SIGUSR1', 4, 5)])
+@pytest.mark.parametrize('sig,step,stop_iter', [('SIGTERM', 3, 4), ('SIGUSR1', 4, 5), ('SIGINT', 2, 3)])
 def test_a_signal_stops_after_the_step_and_the_same_command_continues_bit_for_bit(tmp_path, sig, step,
                                                                                    stop_iter):
     # the signal arrives in optimizer step `step` (1-based), after that step's all-reduce: the next step's
@@ -124,6 +126,25 @@ def test_sigusr1_from_outside_stops_a_running_process_with_exit_0(tmp_path):
     assert stop.startswith('stopped by SIGUSR1') and 'checkpoint out/ckpt.pt' in stop
     assert checkpoint.load(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == n
     print(f"SIGUSR1 to exit: {seconds:.2f}s")
+
+
+def test_ctrl_c_stops_with_one_line_and_a_second_ctrl_c_ends_the_process_at_once(tmp_path):
+    # Ctrl-C is a stop signal like SIGTERM (the parametrized test above resumes from it bit for bit): one
+    # line, no KeyboardInterrupt traceback, exit 0, a checkpoint of the iteration it stopped at
+    write_data(tmp_path)
+    args = [*TINY, '--max_iters=50', '--eval_interval=2', '--out_dir=out']
+    r = run_hooked(args, tmp_path, 'SIGINT', 3)
+    assert r.returncode == 0 and r.stderr == '', r.stderr
+    assert stop_lines(r.stdout) == ["stopped by SIGINT at iter 4: checkpoint out/ckpt.pt; continue with the "
+                                    "same command and --init_from=auto (or resume)"]
+    assert 'Traceback' not in r.stdout and 'KeyboardInterrupt' not in r.stdout
+    assert checkpoint.load(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 4
+    # a second Ctrl-C does not wait for the step to end: the process dies of it, and the checkpoint written
+    # at the last eval (iter 6 of this resumed run) stays as it was
+    r = run_hooked([*args, '--init_from=resume'], tmp_path, 'SIGINT SIGINT', 3)
+    assert r.returncode == -signal.SIGINT and 'Traceback' not in r.stderr, (r.returncode, r.stderr)
+    assert stop_lines(r.stdout) == []
+    assert checkpoint.load(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 6
 
 
 def test_a_second_signal_during_the_save_leaves_a_checkpoint_that_loads_and_resumes(tmp_path):

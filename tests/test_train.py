@@ -59,7 +59,8 @@ def run_train(args, cwd):
     out, err = io.StringIO(), io.StringIO()
     old_argv, old_cwd, old_threads = sys.argv, os.getcwd(), torch.get_num_threads()
     old_omp = os.environ.get('OMP_NUM_THREADS')
-    old_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}  # train.py sets them
+    # train.py sets these handlers
+    old_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     sys.argv = ['train.py', *args]
     code = 0
     try:
