@@ -95,7 +95,7 @@ defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
 config, explicit = configurator.configure(defaults, sys.argv[1:])  # config files, then --key=value
 config, ckpt, notes = checkpoint.resume(config, explicit)  # init_from=resume or auto
 ckpt_path = os.path.join(config['out_dir'], 'ckpt.pt')
-configurator.check(config)  # choices and ranges, GPTConfig's own validation
+configurator.check(config)  # the choices and ranges of every key
 if config['print_config']:
     print(json.dumps(config))
     sys.exit(0)
