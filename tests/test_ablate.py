@@ -65,11 +65,16 @@ def test_sweep_runs_two_arms_end_to_end(tiny_data, tiny_config, tmp_path, monkey
         assert (tmp_path / 'rep' / 'tiny_norms.png').stat().st_size > 1000
     except ImportError:
         pass
-    # a second call skips the finished runs and rebuilds the same report
+    # a second call skips the finished runs (trains and evaluates nothing: every run file is untouched)
+    # and rebuilds the same report (all but the wall-time line)
+    run_files = lambda: {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / 'runs').glob('*/*')}
+    before = run_files()
     capsys.readouterr()
     ablate.main(argv)
     assert 'train done, iter 5' in capsys.readouterr().out
-    assert (tmp_path / 'rep' / 'tiny.md').read_text().split('Wall time')[0] == md.split('Wall time')[0]
+    assert run_files() == before
+    not_wall = lambda text: [line for line in text.splitlines() if not line.startswith('Wall time')]
+    assert not_wall((tmp_path / 'rep' / 'tiny.md').read_text()) == not_wall(md)
     # eval_depth.py writes null for inf/nan (a threshold of +inf: never exit early): the report still builds
     path = tmp_path / 'runs' / 'loop_raw-s7' / 'eval_depth.json'
     depth = json.loads(path.read_text())
@@ -358,3 +363,152 @@ def test_kappa_sweep_runs_end_to_end_and_logs_kappa(tiny_data, tiny_config, tmp_
     rows = [json.loads(line) for line in text.splitlines()]
     assert all(0 < r['kappa'] < 2 for r in rows)
     assert '| preln | 5 | 1.000 |' in (tmp_path / 'rep' / 'tinyk.md').read_text()
+
+
+# ------------------------------------------------ report cells are the values of the runs' own files
+
+@pytest.fixture
+def real_depth(tiny_ckpt, tiny_data):
+    """eval_depth.json of a tiny checkpoint (R = 2, exits 1..16): the schema the reports read."""
+    import eval_depth
+    eval_depth.main([str(tiny_ckpt), '--data_dir', str(tiny_data), '--n_seqs=8', '--batch_size=4',
+                     '--timing_repeats=1', '--n_grad_seqs=4', '--exits=16'])
+    return json.loads((tiny_ckpt / 'eval_depth.json').read_text())
+
+
+def write_report_run(d, depth, rows):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, 'metrics.jsonl'), 'w') as fh:
+        fh.writelines(json.dumps(r) + '\n' for r in rows)
+    with open(os.path.join(d, 'status.json'), 'w') as fh:
+        json.dump(dict(train='done', eval='done'), fh)
+    with open(os.path.join(d, 'eval_depth.json'), 'w') as fh:
+        json.dump(depth, fh)
+
+
+def distinct_depth(depth, shift, **model_args):
+    """The real eval_depth.json with values no two columns share: CE lowest at exit 5, every policy's
+    halting numbers its own, the readout's radial fractions far from the training loss's."""
+    d = json.loads(json.dumps(depth))
+    d['fixed']['ce'] = [2.0 + shift + 0.37 * abs(k - 5) + 0.011 * k for k in range(1, 17)]
+    d['dppl_1_to_R'] = -1.234 - shift
+    for i, p in enumerate(('margin', 'kl', 'gate')):
+        d['calibrated'][p] = dict(d['calibrated']['margin'], held_avg_loops=1.1 + 0.2 * i + shift,
+                                  held_ppl_ratio=1.001 + 0.002 * i + shift / 100)
+    d['throughput']['speedup'] = 1.37 + shift
+    d['radial_frac'] = dict(readout=[1.5e-9, 2.5e-9], total=[0.31 + shift, 0.42])
+    d['clamp']['radial']['dce'] = [0.0, 0.0123 + shift]
+    d['clamp']['freeze']['dce'] = [0.0, 0.0456 + shift]
+    d['model_args'] = dict(d['model_args'], **model_args)
+    return d
+
+
+def norm_rows():
+    # loop 1's norm stays ~10, loop R's peaks at step 60; val loss falls
+    return [dict(iter=it, val_loss=4.0 - it / 100, val_ce=[4.5 - it / 100, 4.0 - it / 100],
+                 train_ce=[4.5, 4.0], norm=[10.0 + it / 100, 50.0 - 0.3 * abs(it - 60)])
+            for it in range(0, 110, 10)]
+
+
+def report_of(preset_name, preset, tmp_path, monkeypatch):
+    monkeypatch.setitem(ablate.PRESETS, preset_name, preset)
+    args = ablate.parse_args([preset_name, '--out=runs', '--report_dir=rep', '--seeds=1'])
+    jobs = ablate.plan(args, preset)
+    for j in jobs:
+        j['cfg'] = dict(dataset='d', n_embd=1, n_layer=1, block_size=1, batch_size=1,
+                        gradient_accumulation_steps=1, max_iters=100, lr_schedule='c', init='i')
+    return open(ablate.write_report(preset_name, preset, jobs, args, {}), encoding='utf-8').read()
+
+
+def test_blindspot_report_cells_are_the_values_in_metrics_and_eval_depth(real_depth, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    preset = dict(title='t', laptop='none.py', seeds=(1,), eval_depth=True, report='blindspot',
+                  arms=[ablate.arm('a'), ablate.arm('b')])
+    depth = {}
+    for name, shift in (('a', 0.0), ('b', 0.5)):
+        depth[name] = distinct_depth(real_depth, shift)
+        write_report_run(f'runs/{name}-s1', depth[name], norm_rows())
+    md = report_of('tinyblind', preset, tmp_path, monkeypatch)
+    rows = norm_rows()
+    last, half = rows[-1], rows[5]  # steps 100 and 50
+    peak = max(rows, key=lambda r: r['norm'][-1])
+    for name, d in depth.items():
+        assert (f"| {name} | 1 | 100 | {last['val_loss']:.4f} | "
+                f"{last['norm'][0]:.1f} / {last['norm'][1]:.1f} | "
+                f"{peak['norm'][1]:.1f} ({peak['iter']}) | {half['norm'][1]:.1f} / {last['norm'][1]:.1f} | "
+                f"x{last['norm'][1] / half['norm'][1]:.2f} |") in md
+        ce, cal = d['fixed']['ce'], d['calibrated'][d['calibrated']['policy']]
+        assert (f"| {name} | {ce[0]:.3f} / {ce[1]:.3f} | {ce[2]:.3f} / {ce[3]:.3f} | "
+                f"{d['dppl_1_to_R']:+.3f} | "
+                f"{cal['held_avg_loops']:.2f} | {cal['held_ppl_ratio']:.4f} | "
+                f"x{d['throughput']['speedup']:.2f} |") in md
+        rf = d['radial_frac']
+        assert (f"| {name} | {rf['readout'][0]:.1e} / {rf['readout'][1]:.1e} | {rf['total'][0]:.1e} / "
+                f"{rf['total'][1]:.1e} | {d['clamp']['radial']['dce'][-1]:+.4f} | "
+                f"{d['clamp']['freeze']['dce'][-1]:+.4f} |") in md
+
+
+def test_recurrent_report_cells_are_the_values_in_eval_depth(real_depth, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    preset = dict(title='t', laptop='none.py', seeds=(1,), eval_depth=True, report='recurrent',
+                  arms=[ablate.arm('fixed'), ablate.arm('sampled')])
+    depth = dict(fixed=distinct_depth(real_depth, 0.0),
+                 sampled=distinct_depth(real_depth, 0.5, loop_sampling='poisson_lognormal'))
+    del depth['fixed']['calibrated']['gate']  # a model without a gate
+    for name, d in depth.items():
+        write_report_run(f'runs/{name}-s1', d, norm_rows())
+    md = report_of('tinyrec2', preset, tmp_path, monkeypatch)
+    R = real_depth['n_loop']
+    for name, trained in (('fixed', f'{R}'), ('sampled', f'{R + 1} (mean, sampled)')):
+        ce = depth[name]['fixed']['ce']
+        cells = ' | '.join(f'{ce[n - 1]:.3f}' for n in (1, 2, 4, 8, 16))
+        assert f"| {name} | {trained} | {cells} | 5 |" in md  # CE @ n is exit n's; the best loop is 5
+        cal = depth[name]['calibrated']
+        halting = ' | '.join(f"{cal[p]['held_avg_loops']:.2f} / {cal[p]['held_ppl_ratio']:.4f}" if p in cal
+                             else 'n/a' for p in ('margin', 'kl', 'gate'))
+        assert f"| {name} | {halting} |" in md
+
+
+def test_a_run_escapes_only_below_the_unigram_floor_minus_the_margin(tiny_data, tiny_config, tmp_path,
+                                                                      monkeypatch):
+    # the margin is 0.2 nats: 0.1 below the floor is noise, 0.3 below it an escape; the report states it
+    monkeypatch.chdir(tmp_path)
+    import reports
+    floor = reports.unigram_floor(str(tiny_data))
+    arms = [ablate.arm(f'{v}-R2', n_loop=2, tags=dict(variant=v, R=2, lr=1e-3)) for v in ('near', 'below')]
+    monkeypatch.setitem(ablate.PRESETS, 'tinymargin', dict(title='t', laptop=tiny_config, seeds=(1,),
+                                                           eval_depth=False, report='deeploop', arms=arms))
+    write_run('runs/near-R2-s1', [4.0, floor - 0.1])
+    write_run('runs/below-R2-s1', [4.0, floor - 0.3])
+    ablate.main(['tinymargin', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
+    md = (tmp_path / 'rep' / 'tinymargin.md').read_text()
+    assert f'| near | {floor - 0.1:.3f} (0/1) |' in md
+    assert f'| below | {floor - 0.3:.3f} (1/1) |' in md
+    assert f'final val loss < floor - 0.2 = {floor - 0.2:.4f}' in md
+
+
+def test_probes_preset_changes_only_what_each_arm_names(repo_dir, monkeypatch):
+    # every probe arm is the blind-spot sweep's loop_rmsnorm run (or its inter-loop-norm arm) with only the
+    # keys in its name changed; the embedded-default arm is train.py's own defaults at the laptop cadence
+    monkeypatch.chdir(repo_dir)
+    preset = ablate.PRESETS['probes']
+    assert preset['report'] == 'blindspot' and preset['eval_depth'] is True
+    base = ablate.plan(ablate.parse_args(['blindspot', '--only=loop_rmsnorm']), ablate.PRESETS['blindspot'])
+    jobs = ablate.plan(ablate.parse_args(['probes']), preset)
+    ablate.resolve(base + jobs)
+    long, lr, inter = dict(max_iters=2000, eval_interval=50), dict(learning_rate=1e-3), \
+        dict(inter_loop_norm='rmsnorm')
+    expect = {'loop_rmsnorm-2000': long, 'loop_rmsnorm-lr1e-3': lr,
+              'loop_rmsnorm-2000-lr1e-3': {**long, **lr},
+              'embedded_default': dict(batch_size=8, beta2=0.99, **long, **lr),
+              'loop_interloop_norm-gpt2': dict(init='gpt2', **inter),
+              'loop_interloop_norm-lr1e-3': {**inter, **lr}, 'loop_interloop_norm-2000': {**inter, **long}}
+    assert [j['arm']['name'] for j in jobs] == list(expect)
+    ref = base[0]['cfg']
+    for j in jobs:
+        changed = {k: v for k, v in j['cfg'].items() if v != ref[k] and k != 'out_dir'}
+        assert changed == expect[j['arm']['name']], j['name']
+    defaults = ablate.train_defaults()
+    embedded = next(j['cfg'] for j in jobs if j['arm']['name'] == 'embedded_default')
+    assert {k for k in defaults if embedded[k] != defaults[k]} == \
+        {'out_dir', 'device', 'eval_interval', 'eval_iters', 'log_interval'}

@@ -135,3 +135,47 @@ def test_a_bad_flag_is_one_error_line(repo_dir, flag, says):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
     assert out.stderr.startswith('error: ') and says in out.stderr and 'Traceback' not in out.stderr
     assert out.stdout == ''
+
+
+def test_bench_ratios_are_the_ratios_of_the_reported_times(tiny_run):
+    # each row's ratio is what its name says, from the times (or sizes) it reports beside it, and the
+    # table prints those numbers
+    res = tiny_run[0]
+    rows, table = res['rows'], res['table']
+    kv = rows['kv_cache']
+    assert kv['ratio'] == pytest.approx(kv['cached_tok_s'] / kv['uncached_tok_s'])  # speed-up of the cache
+    assert f"{kv['ratio']:.1f}x ({kv['cached_tok_s']:.0f}/{kv['uncached_tok_s']:.0f})" in table
+    a = rows['adaptive_exit']
+    assert a['ratio'] == pytest.approx(a['adaptive_tok_s'] / a['fixed_tok_s'])
+    assert a['fixed_tok_s'] == pytest.approx(kv['cached_tok_s'])  # fixed exit is the cached decode
+    u = rows['untied_vs_looped']
+    assert u['ratio'] == pytest.approx(u['looped_tok_s'] / u['untied_tok_s']) == \
+        pytest.approx(u['untied_s'] / u['looped_s'])
+    m = rows['peak_memory']
+    assert m['ratio'] == pytest.approx(m['per_loop_mib'] / m['terminal_mib'])
+    assert m['naive_ratio'] == pytest.approx(m['naive_per_loop_mib'] / m['terminal_mib'])
+    s = rows['step_time']
+    assert s['ratio'] == pytest.approx(s['per_loop_s'] / s['terminal_s'])
+    assert s['head_share'] == pytest.approx(s['head_s'] / s['terminal_s'])
+
+
+def test_kv_cache_row_is_uncached_time_over_cached_time(monkeypatch):
+    # known times in, the row's numbers out: 24 new tokens in 0.5 s cached, 0.25 s adaptive, 6 s uncached
+    times = {'cached': 0.5, 'adaptive': 0.25, 'uncached': 6.0}
+    monkeypatch.setattr(bench, 'side_by_side', lambda fns, *a: {name: times[name] for name in fns})
+    run = bench.Run(size=bench.SIZES['tiny'], device=torch.device('cpu'), warmup=0, repeats=1, compile=False)
+    rows = bench.row_decode(run)
+    kv, a = rows['kv_cache'], rows['adaptive_exit']
+    assert kv['ratio'] == pytest.approx(12.0) and kv['met']
+    assert (kv['cached_tok_s'], kv['uncached_tok_s']) == (pytest.approx(48.0), pytest.approx(4.0))
+    assert a['ratio'] == pytest.approx(2.0) and a['adaptive_tok_s'] == pytest.approx(96.0)
+
+
+def test_cached_decoding_is_faster_than_uncached_at_a_length_where_it_must_be():
+    # 250 new tokens at C = 256: uncached decoding runs 250 full forwards over up to 258 positions, the cache
+    # one position per token; measured ~4.5x on one thread, so 2x is far beyond timing noise
+    spec = dict(n_embd=256, n_head=2, n_layer=1, n_loop=1, prompt=8, new_tokens=250, vocab_size=65)
+    run = bench.Run(size=dict(bench.SIZES['tiny'], decode=spec), device=torch.device('cpu'), warmup=0,
+                    repeats=1, compile=False)
+    kv = bench.row_decode(run)['kv_cache']
+    assert kv['ratio'] > 2, kv

@@ -336,3 +336,22 @@ def test_log_lines_carry_tokens_per_second_and_an_eta_to_max_iters(tmp_path):
     assert len(lines) == 6 and all(', ETA ' in line and 'k tok/s' in line for line in lines)
     assert lines[-1].endswith(', ETA 0s')  # only the final eval is left, a fraction of a second here
     assert [duration(s) for s in (0, 42.4, 250, 11_100)] == ['0s', '42s', '4m10s', '3h05m']
+
+
+def eta_seconds(it, max_iters, eval_interval, step_time, eval_time):
+    import ops
+    eta = ops.ETA(0, max_iters, eval_interval)
+    eta.step_time, eta.eval_time = step_time, eval_time
+    return eta.left(it)
+
+
+@pytest.mark.parametrize('max_iters,eval_interval', [(10, 4), (12, 4), (7, 1), (5, 10)])
+def test_eta_is_the_steps_left_times_the_step_time_plus_the_evals_left_times_the_eval_time(max_iters,
+                                                                                          eval_interval):
+    # after step it: steps it+1 .. max_iters-1 are left, and an eval at every multiple of eval_interval in
+    # (it, max_iters] plus the final one at max_iters
+    for it in range(max_iters):
+        evals = len({j for j in range(it + 1, max_iters + 1) if j % eval_interval == 0} | {max_iters})
+        expect = (max_iters - it - 1) * 0.25 + evals * 3.0
+        assert eta_seconds(it, max_iters, eval_interval, 0.25, 3.0) == pytest.approx(expect), it
+    assert eta_seconds(0, 10, 4, 0.0, 0.0) == 0.0

@@ -230,3 +230,24 @@ def test_kappa_is_R_when_every_visit_sees_the_same_input():
     for j in range(2):
         assert kap[f'h.{j}.attn.c_proj.weight'] == pytest.approx(4.0, rel=1e-5)
         assert kap[f'h.{j}.mlp.c_proj.weight'] == pytest.approx(4.0, rel=1e-5)
+
+
+@pytest.mark.parametrize('injection', ['add', 'concat'])
+def test_dynamic_batching_with_a_prelude_slices_the_injected_output_with_the_rows_that_stay(injection):
+    # rows that exit leave the batch; the prelude output e re-fed to the rest must be theirs: the batched
+    # pass equals each row run alone, and the simulated exits of exit_stats
+    model = tiny(n_loop=4, n_prelude=1, injection=injection)
+    if injection == 'concat':
+        with torch.no_grad():
+            model.transformer.adapter.weight.add_(0.3 * torch.randn_like(model.transformer.adapter.weight))
+    X, Y = batch(B=8)
+    ce, scores, _ = ed.exit_stats(model, X, Y, 4, batch_size=8)
+    t = float(scores['margin'][:, 0].median())  # about half the rows exit at loop 1, the rest later
+    assert len(set(ed.exit_loops(scores['margin'], t).tolist())) > 1  # rows exit at different loops
+    together = ed.depth_pass(model, X, Y, batch_size=8, threshold=t, policy='margin')
+    alone = [ed.depth_pass(model, X[i:i + 1], Y[i:i + 1], batch_size=1, threshold=t, policy='margin')
+             for i in range(8)]
+    assert together[1] == sum(a[1] for a in alone)
+    assert together[0] == pytest.approx(sum(a[0] for a in alone), rel=1e-5)
+    loops, p = ed.adaptive(ce, scores['margin'], t)
+    assert together[1] / 8 == pytest.approx(loops) and math.exp(together[0] / 8) == pytest.approx(p, rel=1e-4)

@@ -4,6 +4,7 @@ truncated backprop, the learned exit gate, and the KL and gate exits. Each test 
 first pins that with every piece switched off the model trains exactly as it did before the family existed.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -288,3 +289,117 @@ def test_eval_depth_reports_kl_and_gate_halting_and_exits_past_training():
     no_gate = tiny(n_loop=3).eval()
     assert 'gate' not in eval_depth.evaluate(no_gate, X, Y, batch_size=4, timing_repeats=1,
                                              n_grad_seqs=4)['calibrated']
+
+
+# -----------------------------------------------------------------------------
+# the values the exit scores, the depth sampler, the adapter and the flop count promise
+
+def exit_logps(m, X):
+    # log p_k of every exit k = 1..R, each from its own readout (B, T, V)
+    with torch.no_grad():
+        return [m.readout(h, k).float().log_softmax(-1) for k, h in enumerate(m.states(X), start=1)]
+
+
+def test_kl_exit_score_is_minus_kl_between_successive_exits():
+    m = tiny(n_loop=4).eval()
+    X, _ = batch(B=2)
+    logps = exit_logps(m, X)
+    import engine
+    score = engine.ExitScorer(m, 'kl')
+    with torch.no_grad():
+        got = [score(None, m.readout(h, k)) for k, h in enumerate(m.states(X), start=1)]
+    assert bool(torch.isneginf(got[0]).all())  # exit 1 has no previous exit
+    for k in range(1, 4):
+        p_prev, lp_prev, lp = logps[k - 1].exp(), logps[k - 1], logps[k]
+        kl = (p_prev * (lp_prev - lp)).sum(-1)  # KL(p_{k-1} || p_k), by hand
+        assert bool((kl > 1e-6).all())          # the exits really differ, so a sign or a zero shows
+        torch.testing.assert_close(got[k], -kl, rtol=1e-4, atol=1e-7)
+
+
+def test_gate_exit_score_is_the_cumulative_sum_of_the_exit_distribution():
+    m = tiny(n_loop=4, exit_gate='learned').eval()
+    with torch.no_grad():
+        m.exit_gate.bias.fill_(-0.5)  # lambda near 0.4: far from 0 and 1, so stay*lam and stay*(1-lam) differ
+    X, _ = batch(B=2)
+    with torch.no_grad():
+        zs = [m.head_input(h, k) for k, h in enumerate(m.states(X), start=1)]
+        lam = torch.stack([torch.sigmoid(m.exit_gate(z).float()).squeeze(-1) for z in zs])  # (R, B, T)
+        import engine
+        score = engine.ExitScorer(m, 'gate')
+        got = [score(z, m.lm_head(z)) for z in zs]
+    p, total = [], torch.zeros_like(lam[0])
+    for k in range(4):  # p(k) = lambda_k prod_{j<k} (1 - lambda_j), by hand; the score is sum_{j<=k} p(j)
+        stay = torch.ones_like(lam[0])
+        for j in range(k):
+            stay = stay * (1 - lam[j])
+        total = total + lam[k] * stay
+        torch.testing.assert_close(got[k], total)
+    # below the last exit that is the cumsum of model.exit_distribution
+    torch.testing.assert_close(torch.stack(got[:3]), exit_distribution(lam).cumsum(0)[:3])
+
+
+def hand_drawn_depths(g, n_loop, cap, n):
+    # Huginn's sampler written out: tau ~ Normal(log n - sigma^2/2, sigma), sigma = 1/2, R = Poisson(e^tau)+1
+    out = []
+    for _ in range(n):
+        tau = torch.normal(math.log(n_loop) - 0.5 ** 2 / 2, 0.5, (1,), generator=g)
+        out.append(min(int(torch.poisson(tau.exp(), generator=g).item()) + 1, cap))
+    return out
+
+
+def test_sampled_depth_is_poisson_of_a_lognormal_draw_on_the_same_generator():
+    m = tiny(n_loop=4, loop_sampling='poisson_lognormal', max_loop=40)
+    g = torch.Generator().manual_seed(5)
+    drawn = [m.draw_n_loop(g) for _ in range(6000)]
+    assert drawn[:300] == hand_drawn_depths(torch.Generator().manual_seed(5), 4, 40, 300)
+    # Var R = E[lambda] + Var[lambda] = n + n^2 (e^{sigma^2} - 1) = 4 + 16 (e^0.25 - 1) = 8.54 (the cap at
+    # 40 cuts almost nothing); sigma = 0 would give 4, no Poisson step about 4.5
+    d = torch.tensor(drawn, dtype=torch.float64)
+    assert 7.6 < float(d.var()) < 9.5 and 4.8 < float(d.mean()) < 5.2
+    capped = tiny(n_loop=4, loop_sampling='poisson_lognormal', max_loop=6)
+    g = torch.Generator().manual_seed(5)
+    assert [capped.draw_n_loop(g) for _ in range(300)] == \
+        hand_drawn_depths(torch.Generator().manual_seed(5), 4, 6, 300)
+
+
+def test_concat_adapter_reads_the_state_and_the_prelude_output():
+    # the adapter's input entering loop k+1 is [ln_loop(h_k); e], e the prelude output, in training and
+    # in cached decoding
+    m = tiny(n_loop=3, n_prelude=1, injection='concat', inter_loop_norm='rmsnorm').eval()
+    with torch.no_grad():
+        m.transformer.adapter.weight.add_(0.3 * torch.randn_like(m.transformer.adapter.weight))
+    X, _ = batch(B=2)
+    seen = []
+    m.transformer.adapter.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
+    with torch.no_grad():
+        e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))
+        states = m.states(X)
+    assert len(seen) == 2
+    for k, x in enumerate(seen):
+        torch.testing.assert_close(x, torch.cat([m.transformer.ln_loop(states[k]), e], -1))
+    # and the states themselves follow x_{k+1} = W [ln_loop(h_k); e] through the shared blocks
+    with torch.no_grad():
+        x = e
+        for k in range(3):
+            if k:
+                x = m.transformer.adapter(torch.cat([m.transformer.ln_loop(x), e], -1))
+            for block in m.transformer.h:
+                x = block(x, m.rope(0, T))
+            torch.testing.assert_close(states[k], x)
+
+
+def test_flops_per_token_and_n_unrolled_count_prelude_coda_and_adapter():
+    K, R, C = 2, 3, 16
+    block = 2 * C + 16 * C * C  # swiglu: two norm gains, 4 C^2 attention, 12 C^2 MLP
+    m = tiny(n_layer=K, n_loop=R, n_prelude=1, n_coda=2, injection='concat')
+    assert m.config.n_unrolled == 1 + K * R + 2
+    for kw, n_exits in ((dict(), R), (dict(supervision='terminal'), 1)):
+        m = tiny(n_layer=K, n_loop=R, n_prelude=1, n_coda=2, injection='concat', **kw)
+        weights = block * K * R + block * 1 + 2 * C * C * (R - 1) + (block * 2 + V * C) * n_exits
+        visits = K * R + 1 + 2 * n_exits  # attention of every block visit: shared, prelude, coda per exit
+        assert m.flops_per_token(T) == 6 * weights + 12 * visits * C * T, kw
+    add = tiny(n_layer=K, n_loop=R, n_prelude=1, n_coda=2, injection='add')  # no adapter matrix
+    assert add.flops_per_token(T) == 6 * (block * (K * R + 1) + (2 * block + V * C) * R) + \
+        12 * (K * R + 1 + 2 * R) * C * T
+    deep = GPTConfig(n_layer=K, n_loop=R, n_prelude=1, n_coda=2, block='sandwich', depth_scaling='deeploop')
+    assert deep.alpha == pytest.approx((2 * 9) ** 0.5) and deep.beta == pytest.approx((8 * 9) ** -0.5)

@@ -586,3 +586,42 @@ def test_torchrun_runs_for_any_process_count_and_rounds_the_global_batch_up(tmp_
     assert f"{nproc} process(es)" in r.stdout and r.stdout.count('step 2:') == 1
     tokens = read_metrics(tmp_path / 'out' / 'metrics.jsonl')[-1]['tokens']
     assert tokens == 2 * per_rank * nproc * 4 * 16  # iterations x micro-batches x batch_size x block_size
+
+
+FAMILY_KEYS = ('n_prelude', 'n_coda', 'injection', 'loop_sampling', 'max_loop', 'backprop_loops', 'exit_gate',
+               'exit_entropy')
+
+
+def make_pre_family_version(path):
+    """The checkpoint as train.py wrote it before the recurrent-depth family: make_previous_version's, and
+    no depth sampler state, no family keys in model_args or config, no log_kappa."""
+    ckpt = make_previous_version(path)
+    del ckpt['depth_rng']
+    for key in FAMILY_KEYS:
+        del ckpt['model_args'][key]
+        del ckpt['config'][key]
+    del ckpt['config']['log_kappa']
+    torch.save(ckpt, path)
+    return ckpt
+
+
+def test_a_checkpoint_from_before_the_recurrent_family_loads_samples_and_resumes_bit_exact(run_dir,
+                                                                                          monkeypatch):
+    import sample
+    ckpt = make_pre_family_version(run_dir / 'out' / 'ckpt.pt')
+    assert 'depth_rng' not in ckpt and not set(FAMILY_KEYS) & set(ckpt['model_args'])
+    model = checkpoint.build_model(checkpoint.load(str(run_dir / 'out' / 'ckpt.pt')))
+    assert model_tensors_equal(model.state_dict(), ckpt['model'])
+    monkeypatch.chdir(run_dir)
+    sample.main(['--out_dir=out', '--start=ROMEO:', '--num_samples=1', '--max_new_tokens=4', '--device=cpu',
+                 '--exit_threshold=0.5'])
+    # 2 steps, then this checkpoint resumed to 4, is the same run as 4 steps without a stop
+    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=4'], run_dir)
+    assert code == 0, err
+    code, out, err = run_train([*TINY, '--max_iters=4', '--eval_interval=2', '--out_dir=whole'], run_dir)
+    assert code == 0, err
+    drop_time = lambda rows: [{k: v for k, v in r.items() if k != 'time'} for r in rows]
+    assert drop_time(read_metrics(run_dir / 'out' / 'metrics.jsonl')) == \
+        drop_time(read_metrics(run_dir / 'whole' / 'metrics.jsonl'))
+    a, b = (torch.load(run_dir / d / 'ckpt.pt', weights_only=True) for d in ('out', 'whole'))
+    assert a['iter_num'] == 4 and model_tensors_equal(a['model'], b['model'])

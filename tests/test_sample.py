@@ -222,3 +222,46 @@ def test_random_flags_either_sample_or_give_a_clean_error(tiny_ckpt, monkeypatch
     # the random flags are parsed and checked; the fixed ones after them (last wins) keep each run short
     code, out, err = run_main(argv + ['--max_new_tokens=4', '--num_samples=1', '--n_loop=2'])
     assert code in (0, None) or (err.startswith('error: ') and err.count('\n') == 1), err
+
+
+def test_exit_policy_gate_and_kl_sample_end_to_end_with_the_loops_their_scores_promise(tiny_data, tmp_path,
+                                                                                     monkeypatch):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    meta = json.loads((tiny_data / 'meta.json').read_text(encoding='utf-8'))
+    save_tiny_checkpoint(str(tmp_path / 'gate' / 'ckpt.pt'), meta['vocab_size'], meta=meta, n_loop=3,
+                         exit_gate='learned')
+    base = [f'--out_dir={tmp_path / "gate"}', *FAST, '--temperature=0']
+    # 12 new tokens per sample, the first always at R = 3 (it is read off the prompt's pass)
+    # gate: the cumulative exit probability is >= 0 at exit 1 and never reaches 1 before the last exit
+    code, out, err = run_main(base + ['--exit_policy=gate', '--exit_threshold=0'])
+    assert code == 0, err
+    assert 'adaptive exit (gate >= 0.0' in out and mean_loops(out) == (round((3 + 11 * 1) / 12, 2), 3)
+    code, out, err = run_main(base + ['--exit_policy=gate', '--exit_threshold=1'])
+    assert code == 0 and mean_loops(out) == (3.0, 3), err
+    # kl: KL(p_{k-1} || p_k) <= a huge bound from exit 2 on (never at exit 1); <= 0 only at the last exit
+    code, out, err = run_main(base + ['--exit_policy=kl', '--exit_threshold=1e9'])
+    assert code == 0 and mean_loops(out) == (round((3 + 11 * 2) / 12, 2), 3), err
+    code, out, err = run_main(base + ['--exit_policy=kl', '--exit_threshold=0'])
+    assert code == 0 and mean_loops(out) == (3.0, 3), err
+    # the text is what the policy decodes: the same greedy tokens as generate with that policy and threshold
+    import torch
+    import checkpoint
+    model = checkpoint.build_model(checkpoint.load(str(tmp_path / 'gate' / 'ckpt.pt'))).eval()
+    code, out, err = run_main(base + ['--exit_policy=kl', '--exit_threshold=0.01', '--start=ROMEO:'])
+    x = torch.tensor([[meta['itos'].index(c) for c in 'ROMEO:']])
+    import engine
+    y, _ = engine.generate(model, x, 12, temperature=0, exit_threshold=0.01, exit_policy='kl')
+    assert out.count(''.join(meta['itos'][i] for i in y[0].tolist()) + '\n---------------\n') == 2
+
+
+def test_exit_policy_gate_on_a_model_without_a_gate_is_one_line(tiny_ckpt, repo_dir):
+    for run in ('in-process', 'command line'):
+        args = [f'--out_dir={tiny_ckpt}', *FAST, '--exit_policy=gate', '--exit_threshold=0.5']
+        if run == 'in-process':
+            code, out, err = run_main(args)
+        else:
+            r = subprocess.run([sys.executable, str(repo_dir / 'sample.py'), *args], cwd=tiny_ckpt,
+                               capture_output=True, text=True, timeout=120)
+            code, out, err = r.returncode, r.stdout, r.stderr
+        assert code == 1 and err.startswith('error: ') and err.count('\n') == 1, err
+        assert 'this model has none' in err and 'Traceback' not in err and '---------------' not in out

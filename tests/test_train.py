@@ -273,3 +273,29 @@ def test_log_kappa_writes_the_visit_alignment_at_every_eval_and_only_when_asked(
     assert code == 0, err
     assert 'kappa_R' not in out
     assert all('kappa' not in r for r in read_metrics(tmp_path / 'off' / 'metrics.jsonl'))
+
+
+def test_log_kappa_logs_the_mean_over_matrices_of_kappa_on_one_fixed_training_batch(tmp_path):
+    # the kappa of eval k is that of the weights saved at eval k, on the training batch drawn by a generator
+    # seeded with seed + 1 (the same batch at every eval); recomputed here from the checkpoint and train.bin
+    import checkpoint
+    import diagnostics as eval_depth
+    write_data(tmp_path)
+    code, out, err = run_train([*TINY, '--n_loop=3', '--max_iters=2', '--eval_interval=1', '--log_kappa=True',
+                                '--out_dir=out'], tmp_path)
+    assert code == 0, err
+    logged = read_metrics(tmp_path / 'out' / 'metrics.jsonl')[-1]
+    assert logged['iter'] == 2
+    ckpt = checkpoint.load(str(tmp_path / 'out' / 'ckpt.pt'))
+    assert ckpt['iter_num'] == 2
+    model = checkpoint.build_model(ckpt).eval()
+    data = np.memmap(tmp_path / 'data' / 'tiny' / 'train.bin', dtype=np.uint16, mode='r')
+    ix = torch.randint(len(data) - 16, (4,), generator=torch.Generator().manual_seed(1337 + 1)).tolist()
+    X = torch.stack([torch.from_numpy(data[i:i + 16].astype(np.int64)) for i in ix])
+    Y = torch.stack([torch.from_numpy(data[i + 1:i + 17].astype(np.int64)) for i in ix])
+    kappas = []
+    for name, G in eval_depth.visit_gradients(model, X, Y).items():  # G: the R per-visit gradients
+        total = sum(G)
+        kappas.append(float((total * total).sum() / sum((g * g).sum() for g in G)))  # kappa by hand
+    assert len(kappas) == 4 and max(kappas) - min(kappas) > 1e-3  # the mean is not the minimum here
+    assert logged['kappa'] == pytest.approx(sum(kappas) / len(kappas), rel=1e-5)
