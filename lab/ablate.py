@@ -26,6 +26,8 @@ same arms run on top of a GPU config file instead, unchanged:
     python lab/ablate.py deeploop --base config/deeploop_small.py --max_iters=2700 --workers=8 \
         --gpus_per_worker=1
     python lab/ablate.py blindspot --base config/paper_44m.py --dry_run   # the commands and GPU-hours
+    python lab/ablate.py deeploop --base config/deeploop_small.py --max_iters=2700 --executor=slurm \
+        --partition=gpu --gpus_per_run=1 --time=240   # a Slurm job per run, requeued (docs/long_runs.md)
 
 A run's train.py arguments are: the base config file(s), the arm's config files, the arm's --key=value
 overrides, --seed and --out_dir, then the overrides of the command line. train.py itself resolves them
@@ -41,6 +43,7 @@ import json
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -263,12 +266,20 @@ class Slots:
         return kw
 
 
+RUNNING = set()  # the train.py and eval_depth.py processes running now (SubmittedRun.checkpoint stops them)
+
+
 def call_logged(cmd, log_path, mode, popen_kwargs):
     """Run cmd with the command line and then its output written to log_path; returns the exit code."""
     with open(log_path, mode, encoding='utf-8') as log:
         log.write('$ ' + shlex.join(cmd) + '\n')
         log.flush()
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, **popen_kwargs)
+        with subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **popen_kwargs) as proc:
+            RUNNING.add(proc)
+            try:
+                return proc.wait()
+            finally:
+                RUNNING.discard(proc)
 
 
 def train(job, launcher, popen_kwargs):
@@ -306,22 +317,33 @@ def run_summary(job, status):
     return msg
 
 
-def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False):
-    """Train one run (resuming an interrupted one), then evaluate it. Writes run_dir/status.json."""
+def wants_eval(run_dir, status, do_eval, reeval):
+    """Whether a run still needs eval_depth.py: trained (or failed) with a checkpoint, not evaluated yet."""
+    return (do_eval and status.get('train') != 'stopped' and (status.get('eval') != 'done' or reeval)
+            and os.path.exists(os.path.join(run_dir, 'ckpt.pt')))
+
+
+def run_job(job, launcher, do_eval, eval_args, popen_kwargs, reeval=False):
+    """Train one run (resuming an interrupted one), then evaluate it; writes run_dir/status.json. Returns
+    the status and whether there was work to do (a finished run is skipped)."""
     run_dir = job['out_dir']
-    status = read_status(run_dir)
+    status, worked = read_status(run_dir), False
+    if status.get('train') != 'done':
+        status, worked = train(job, launcher, popen_kwargs), True
+        write_status(run_dir, status)
+    if wants_eval(run_dir, status, do_eval, reeval):
+        status.update(evaluate(run_dir, eval_args, popen_kwargs))
+        write_status(run_dir, status)
+        worked = True
+    return status, worked
+
+
+def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False):
+    """run_job in a free worker slot, then the run's progress line."""
     slot = slots.free.get()
-    t0, worked = time.time(), False
+    t0 = time.time()
     try:
-        popen_kwargs = slots.popen_kwargs(slot)
-        if status.get('train') != 'done':
-            status, worked = train(job, launcher, popen_kwargs), True
-            write_status(run_dir, status)
-        wants_eval = do_eval and status.get('train') != 'stopped' and (status.get('eval') != 'done' or reeval)
-        if wants_eval and os.path.exists(os.path.join(run_dir, 'ckpt.pt')):
-            status.update(evaluate(run_dir, eval_args, popen_kwargs))
-            write_status(run_dir, status)
-            worked = True
+        status, worked = run_job(job, launcher, do_eval, eval_args, slots.popen_kwargs(slot), reeval)
     finally:
         slots.free.put(slot)
     seconds = time.time() - t0
@@ -361,25 +383,109 @@ def default_workers(args):
 
 
 def run_sweep(jobs, preset, launcher, args):
-    """Train (and evaluate) every job not finished yet, n_workers at a time; writes <out>/sweep.json."""
+    """Train (and evaluate) every job not finished yet, here n_workers at a time, or each as a job of a
+    scheduler (submit); writes <out>/sweep.json."""
     t0 = time.time()
-    n_workers = args.workers or default_workers(args)
-    slots = Slots(n_workers, args.gpus_per_worker)
-    log = progress_logger(jobs, n_workers, t0)
-    order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive runs first: the workers finish together
-    print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {len(slots.cores[0])}; "
-          f"runs in {args.out}/", flush=True)
     eval_args = preset.get('eval_args', []) + shlex.split(args.eval_args)
+    if args.executor == 'local':
+        n_workers = args.workers or default_workers(args)
+        slots = Slots(n_workers, args.gpus_per_worker)
+        cores = len(slots.cores[0])
+        log = progress_logger(jobs, n_workers, t0)
+        order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive first: the workers finish together
+        print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {cores}; "
+              f"runs in {args.out}/", flush=True)
 
-    def run(job):
-        return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval)
-    with ThreadPoolExecutor(n_workers) as pool:
-        list(pool.map(run, order))
+        def run(job):
+            return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval)
+        with ThreadPoolExecutor(n_workers) as pool:
+            list(pool.map(run, order))
+    else:
+        n_workers, cores = submit(jobs, preset, launcher, args, eval_args, t0), args.cpus_per_run or '?'
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'sweep.json'), 'w', encoding='utf-8') as fh:
         json.dump(dict(command=args.command, wall_seconds=round(time.time() - t0, 1), workers=n_workers,
-                       cores_per_run=len(slots.cores[0]), commit=code_version(),
-                       dtype=resolved_dtype(jobs[0]['cfg'])), fh)
+                       cores_per_run=cores, commit=code_version(), dtype=resolved_dtype(jobs[0]['cfg'])), fh)
+
+# -----------------------------------------------------------------------------
+# running through a scheduler: a job per run, submitted with submitit (Slurm, or its local executor)
+
+MAX_REQUEUES = 100  # time limits a run may reach, each followed by a requeue that resumes it (preemptions
+                    # are not counted)
+
+
+class SubmittedRun:
+    """One run as a submitit job: run_job on the node it gets. Before a preemption or the time limit
+    submitit's signal (SIGUSR2, 90 s ahead) calls checkpoint(): train.py stops with a checkpoint and the
+    same call is requeued, which resumes the run (--init_from=auto)."""
+
+    def __call__(self, job, launcher, do_eval, eval_args, reeval):
+        t0 = time.time()
+        # the scheduler may signal every process of the job: train.py ignores SIGUSR2, waits for SIGUSR1
+        kw = dict(env=dict(os.environ, PYTHONUNBUFFERED='1'),
+                  preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN))
+        status, worked = run_job(job, launcher, do_eval, eval_args, kw, reeval)
+        return status, time.time() - t0 if worked else None
+
+    def checkpoint(self, *args):
+        for proc in list(RUNNING):
+            proc.send_signal(signal.SIGUSR1)  # train.py saves and exits 0; eval_depth.py just ends (rerun)
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited; call_logged's wait reaps it
+        import submitit
+        return submitit.helpers.DelayedSubmission(self, *args)
+
+
+def executor(args):
+    """The submitit executor of --executor: a job per run with --gpus_per_run GPUs, --cpus_per_run cores,
+    --time minutes each, on --partition, at most --workers at once."""
+    try:
+        import submitit
+    except ImportError:
+        die(f"--executor={args.executor} needs submitit: pip install submitit")
+    try:  # <out>/submitit/ holds each job's pickles and logs
+        ex = submitit.AutoExecutor(os.path.join(args.out, 'submitit'), cluster=args.executor.split('_')[-1],
+                                   slurm_max_num_timeout=MAX_REQUEUES)
+    except RuntimeError as e:  # no srun: not a Slurm login node
+        die(f"--executor={args.executor}: {e}")
+    ex.update_parameters(name=f'nanoloop-{args.preset}', timeout_min=args.time,
+                         gpus_per_node=args.gpus_per_run or None, cpus_per_task=args.cpus_per_run or None,
+                         slurm_partition=args.partition or None, slurm_array_parallelism=args.workers or None,
+                         slurm_additional_parameters=args.slurm_args)
+    return ex
+
+
+def submit(jobs, preset, launcher, args, eval_args, t0):
+    """Submit every run not finished yet as a job of its own, then wait for them, printing a progress line
+    as each ends. Returns the runs at once asked for."""
+    ex = executor(args)
+    import submitit
+    before = {j['name']: read_status(j['out_dir']) for j in jobs}
+    todo = [j for j in jobs if before[j['name']].get('train') != 'done'
+            or wants_eval(j['out_dir'], before[j['name']], preset['eval_depth'], args.reeval)]
+    n_workers = args.workers or max(1, len(todo))
+    log = progress_logger(jobs, n_workers, t0)
+    print(f"{args.preset}: {len(jobs)} runs, {len(todo)} to submit ({args.executor}); runs in {args.out}/, "
+          f"job logs in {os.path.join(args.out, 'submitit')}/", flush=True)
+    for job in jobs:
+        if job not in todo:
+            log(job, run_summary(job, before[job['name']]), None)
+    if not todo:
+        return n_workers
+    # a job unpickles SubmittedRun: it imports ablate.py's folder and the core one folder up
+    path = [LAB, REPO] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+    os.environ['PYTHONPATH'] = os.pathsep.join(path)
+    with ex.batch():
+        subs = [ex.submit(SubmittedRun(), j, launcher, preset['eval_depth'], eval_args, args.reeval)
+                for j in todo]
+    for sub in submitit.helpers.as_completed(subs, poll_frequency=1):
+        job = todo[subs.index(sub)]
+        try:
+            status, seconds = sub.result()
+        except Exception as e:  # the job died or was cancelled: status.json says how far the run got
+            status = dict(read_status(job['out_dir']), error=(str(e).strip().splitlines() or ['?'])[-1])
+            seconds = None
+        log(job, run_summary(job, status) + f" [job {sub.job_id}]", seconds)
+    return n_workers
 
 
 def code_version():
@@ -453,6 +559,16 @@ def parser():
                     help='give each worker its own GPUs (CUDA_VISIBLE_DEVICES)')
     ap.add_argument('--launcher', default='',
                     help='e.g. "torchrun --standalone --nproc_per_node=8" (default: python)')
+    ap.add_argument('--executor', default='local', choices=('local', 'slurm', 'submitit_local'),
+                    help='local: runs here, --workers at a time; slurm: a Slurm job per run (submitit); '
+                         "submitit_local: submitit's local executor, a job per run here, all at once")
+    ap.add_argument('--partition', default='', help="--executor=slurm: partition (default: the cluster's)")
+    ap.add_argument('--gpus_per_run', type=int, default=1, help='--executor=slurm: GPUs per job')
+    ap.add_argument('--cpus_per_run', type=int, default=0,
+                    help="--executor=slurm: CPU cores per job (0: the cluster's default)")
+    ap.add_argument('--time', type=int, default=240,
+                    help='--executor=slurm: time limit per job in minutes (then requeued: the run resumes)')
+    ap.add_argument('--slurm_args', default='', help='more sbatch options, e.g. "account=lab qos=normal"')
     ap.add_argument('--eval_args', default='', help='extra eval_depth.py arguments, e.g. "--n_seqs=256"')
     ap.add_argument('--report_only', action='store_true', help='only rebuild the report from finished runs')
     ap.add_argument('--reeval', action='store_true', help='run eval_depth.py again on finished runs')
@@ -481,6 +597,10 @@ def parse_args(argv):
     for a in args.only:
         if a not in names:
             die(f"--only {a}: not an arm of {args.preset} ({', '.join(names)})")
+    try:
+        args.slurm_args = dict(kv.split('=', 1) for kv in args.slurm_args.split())
+    except ValueError:
+        die(f"--slurm_args {args.slurm_args}: expected sbatch options key=value, e.g. 'account=lab qos=high'")
     try:
         args.seeds = [int(s) for s in args.seeds.split(',') if s] or list(PRESETS[args.preset]['seeds'])
     except ValueError:
