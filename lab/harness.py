@@ -194,10 +194,13 @@ def main(argv=None):
         die(f"{args.out_dir}: no ckpt.pt there (train one first: python train.py --out_dir={args.out_dir})")
     if args.include_path and not os.path.isdir(args.include_path):
         die(f"--include_path={args.include_path}: not a folder (give the folder holding the task YAMLs)")
-    # the task names are checked before the (slow) model load
+    # the task names are checked before the (slow) model load. Tasks all in --include_path skip indexing
+    # lm-eval's own ~15k (15-20 s on a laptop); a group there may name lm-eval's tasks, so it does not
     logging.getLogger('lm_eval').setLevel(logging.WARNING)
-    tm = TaskManager(include_path=args.include_path)
     tasks = [t for t in args.tasks.split(',') if t]
+    tm = TaskManager(include_path=args.include_path, include_defaults=False) if args.include_path else None
+    if tm is None or not set(tasks) <= set(tm.all_tasks) - set(tm.all_groups):
+        tm = TaskManager(include_path=args.include_path)
     for t in tasks:
         if t not in tm.all_tasks:
             near = difflib.get_close_matches(t, tm.all_tasks, n=1)
@@ -220,8 +223,9 @@ def main(argv=None):
         print(f"n_loop={R} ({i + 1}/{len(lm.depths)}): {', '.join(tasks)} on {device}")
         # bootstrap_iters: the stderr of perplexity-like metrics is resampled; 1000 is plenty for two digits
         try:
-            res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, log_samples=False,
-                                          num_fewshot=args.num_fewshot, bootstrap_iters=1000)
+            res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit,
+                                          num_fewshot=args.num_fewshot, bootstrap_iters=1000,
+                                          log_samples=False)
         except OSError as e:  # ConnectionError, FileNotFoundError: a task's data could not be read
             die(f"a task's data could not be loaded ({first_line(e)}): named tasks download theirs from the "
                 f"Hugging Face hub, so they need the network; a local task's data_files are relative to the "
