@@ -57,7 +57,7 @@ class NanoLoop(LM):
         self.stand_in = ' ' if ' ' in self.chars else (meta.get('itos') or ' ')[0]
         self.unknown = set()
         self.model = checkpoint.build_model(ckpt).eval().to(device)
-        self.n_loop = n_loop or self.model.config.n_loop
+        self.n_loop = n_loop or min(map(int, depths), default=self.model.config.n_loop)
         self.depths = sorted({self.n_loop, *[int(d) for d in depths]})
         self.batch_size, self._device = int(batch_size), torch.device(device)
         # the token before the first one: GPT-2's <|endoftext|>, a newline for characters
