@@ -1,8 +1,8 @@
 """
 Downstream accuracy at every exit depth, through EleutherAI's lm-evaluation-harness (pip install lm-eval).
 
-    python lab/harness.py out-shakespeare-char --include_path=tests/data/harness --tasks=tiny_shakespeare
-    python lab/harness.py out-gpt2 --tasks=hellaswag,arc_easy,piqa,lambada_openai --n_loop=1,2,4 --limit=500
+    python lab/harness.py out --include_path=tests/data/harness --tasks=tiny_shakespeare --n_loop=1,2,4
+    python lab/harness.py out-deeploop-small --tasks=hellaswag,arc_easy,piqa,lambada_openai --n_loop=1,2,3
 
 Prints one table, a row per task/metric and a column per exit depth (--n_loop; default the trained R), and
 writes lm-eval's results JSON for each depth and a combined one under --output_path (OUT_DIR/harness/).

@@ -25,7 +25,7 @@ from engine import generate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / 'tests' / 'data' / 'harness'
-DOCS = [json.loads(line) for line in (TASKS / 'tiny_shakespeare.jsonl').read_text(encoding='utf-8').splitlines()]
+DOCS = [json.loads(line) for line in (TASKS / 'tiny_shakespeare.jsonl').read_text('utf-8').splitlines()]
 DEPTHS = (1, 2, 3)  # R = 2 trained; 3 extrapolates
 
 
@@ -118,7 +118,8 @@ def test_local_task_through_lm_evals_entry_point(out, lm, monkeypatch):
     tm = lm_eval.tasks.TaskManager(include_path=str(TASKS), include_defaults=False)
     for k in (1, 2):
         lm.n_loop = k
-        res = lm_eval.simple_evaluate(model=lm, tasks=['tiny_shakespeare'], task_manager=tm, log_samples=False)
+        res = lm_eval.simple_evaluate(model=lm, tasks=['tiny_shakespeare'], task_manager=tm,
+                                      log_samples=False)
         right = 0
         for d in DOCS:
             lls = [reference_ll(model, ids, d['context'], ' ' + c, k)[0] for c in d['choices']]
