@@ -187,6 +187,8 @@ def main(argv=None):
     for name, v in [('n_loop', d) for d in depths] + [('batch_size', args.batch_size)]:
         if v < 1:
             die(f"--{name}={v}: must be >= 1")
+    if args.limit is not None and not args.limit > 0:
+        die(f"--limit={args.limit}: must be > 0 (a count of examples, or below 1 a fraction)")
     if lm_eval is None:
         die("lab/harness.py needs lm-evaluation-harness: pip install lm-eval")
     path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')

@@ -150,7 +150,8 @@ def test_cli_prints_the_table_per_depth_and_writes_lm_evals_json(out, tmp_path):
         assert rows['tiny_shakespeare/acc'][i] == pytest.approx(acc, abs=1e-4)
 
 
-@pytest.mark.parametrize('case', ['no ckpt', 'depth 0', 'depth over cap', 'not a depth', 'unknown task'])
+@pytest.mark.parametrize('case', ['no ckpt', 'depth 0', 'depth over cap', 'not a depth', 'bad limit',
+                                  'unknown task'])
 def test_bad_input_is_one_line(out, tmp_path, capsys, case):
     local = [f'--include_path={TASKS}', '--tasks=tiny_shakespeare']
     args, says = {
@@ -158,6 +159,7 @@ def test_bad_input_is_one_line(out, tmp_path, capsys, case):
         'depth 0': ([str(out), *local, '--n_loop=0,2'], '--n_loop=0: must be >= 1'),
         'depth over cap': ([str(out), *local, '--n_loop=2,9'], 'supports 1..8 loops'),
         'not a depth': ([str(out), *local, '--n_loop=two'], 'as integers'),
+        'bad limit': ([str(out), *local, '--limit=0'], '--limit=0.0: must be > 0'),
         'unknown task': ([str(out), '--tasks=hellaswag,tiny_shakespere', f'--include_path={TASKS}'],
                          "unknown task 'tiny_shakespere' (did you mean 'tiny_shakespeare'?)"),
     }[case]
