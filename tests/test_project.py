@@ -71,7 +71,7 @@ def test_every_cited_file_and_section_exists():
     for path in tracked('*.py', '*.md', '*.sh', 'config/*'):
         text = path.read_text(encoding='utf-8')
         in_tests = path.parts[len(REPO.parts)] == 'tests'  # tests name missing files on purpose
-        cited = r'\b((?:docs|assets|config|tests)/[\w./-]+\.(?:md|png|json|py))'
+        cited = r'(?<![/\w])((?:docs|assets|config|tests)/[\w./-]+\.(?:md|png|json|py))\b'
         for ref in [] if in_tests else re.findall(cited, text):
             assert (REPO / ref).exists(), f"{path.name} cites {ref}"
         for section in re.findall(r'docs/papers\.md,? (§\d+)', text):
