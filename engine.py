@@ -82,65 +82,125 @@ class ExitScorer:
         self.prev = None if self.prev is None else self.prev[rows]
 
 
-class Slot:
-    """The keys and values of one visit, (B, nh, block_size, hs) each."""
+KV_POLICIES = ('recompute', 'copy', 'shared', 'active')
 
-    def __init__(self, cache, shape, device, dtype):
+
+class Slot:
+    """The keys and values of one visit, (B, nh, block_size, hs) each. Under kv_policy 'active' also
+    which positions reached this visit, (B, block_size): attention sees only those."""
+
+    def __init__(self, cache, shape, device, dtype, reach=False):
         self.cache = cache
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.reach = torch.zeros(shape[0], shape[2], dtype=torch.bool, device=device) if reach else None
 
     def update(self, k, v, pos):
         # write k, v (B', nh, T, hs) at positions pos..pos+T-1 and return the history 0..pos+T-1
         T, rows = k.size(2), self.cache.rows
-        if rows is None:
-            self.k[:, :, pos:pos + T], self.v[:, :, pos:pos + T] = k, v
-            return self.k[:, :, :pos + T], self.v[:, :, :pos + T]
-        self.k[rows, :, pos:pos + T], self.v[rows, :, pos:pos + T] = k, v
-        return self.k[rows, :, :pos + T], self.v[rows, :, :pos + T]
+        r = slice(None) if rows is None else rows
+        self.k[r, :, pos:pos + T], self.v[r, :, pos:pos + T] = k, v
+        if self.reach is None:
+            return self.k[r, :, :pos + T], self.v[r, :, :pos + T]
+        # 'active': hand attention only the positions that reached this visit. That is a key mask
+        # without one in the model, but it must be the same for every row in the step: decode_step
+        # runs rows whose earlier tokens exited at other loops one at a time
+        self.reach[r, pos:pos + T] = True
+        seen = self.reach[r, :pos + T]
+        if bool(seen.all()):
+            return self.k[r, :, :pos + T], self.v[r, :, :pos + T]
+        assert bool((seen == seen[:1]).all()), "'active' rows with other histories go one at a time"
+        at = seen[0].nonzero().squeeze(1)
+        return self.k[r][:, :, at], self.v[r][:, :, at]
+
+    def copy(self, other, pos):
+        # this visit's K/V at pos are other's: no compute (kv_policy 'copy')
+        r = slice(None) if self.cache.rows is None else self.cache.rows
+        self.k[r, :, pos], self.v[r, :, pos] = other.k[r, :, pos], other.v[r, :, pos]
 
 
 class KVCache:
     """One slot per (loop, layer) visit: loop k re-uses layer j's weights but sees other inputs, so
     it has its own keys and values. The prelude and the coda (run once per token) have one slot
-    per block. rows: the batch rows the model runs on now (None = all); exited rows leave."""
+    per block. rows: the batch rows the model runs on now (None = all); exited rows leave.
 
-    def __init__(self, model, B, R, device, dtype):
+    A row that exits at loop k skips loops k+1..R, but later tokens attend to those visits' slots.
+    What it leaves there is the policy (docs/decoding.md):
+      recompute  the K/V of its exit state carried forward (CALM): exact for that state
+      copy       the K/V it wrote at loop k for the same layer (Huginn): no compute at all
+      shared     kv_slots slots per layer, loop k in slot (k-1) mod kv_slots (Huginn's sharing):
+                 memory independent of R; later loops overwrite earlier ones, and a skipped
+                 visit writes nothing unless its slot holds nothing of this token yet (then copy)
+      active     nothing: loop k's attention sees only the positions that reached loop k (MoR)
+    """
+
+    def __init__(self, model, B, R, device, dtype, policy='recompute', kv_slots=None):
+        assert policy in KV_POLICIES, f"kv_policy={policy!r}: choose one of {', '.join(KV_POLICIES)}"
+        n = kv_slots if policy == 'shared' else R
+        assert isinstance(n, int) and n >= 1, f"kv_slots={n!r}: the shared policy needs >= 1 slot"
         cfg = model.config
         shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        new = lambda n: [Slot(self, shape, device, dtype) for _ in range(n)]
-        self.slots = dict(prelude=new(cfg.n_prelude), loop=new(R * cfg.n_layer),
+        new = lambda n, reach=False: [Slot(self, shape, device, dtype, reach) for _ in range(n)]
+        self.slots = dict(prelude=new(cfg.n_prelude), loop=new(n * cfg.n_layer, policy == 'active'),
                           coda=new(cfg.n_coda))
-        self.K, self.rows = cfg.n_layer, None
+        self.K, self.n, self.policy, self.rows = cfg.n_layer, n, policy, None
+        self.offset = 0  # loops already run: the model's loop k is loop offset + k (speculative)
 
     def slot(self, part, j, k=1):
-        return self.slots[part][(k - 1) * self.K + j if part == 'loop' else j]
+        if part != 'loop':
+            return self.slots[part][j]
+        return self.slots['loop'][(k + self.offset - 1) % self.n * self.K + j]
 
+    def nbytes(self):
+        tensors = [t for s in sum(self.slots.values(), []) for t in (s.k, s.v, s.reach) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-def fill_skipped(model, cache, x, k, n_loop, pos):
-    """A row that exits at loop k skips the visits of loops k+1..n_loop, but later tokens attend to
-    their keys and values: write those of x, the state the row would have entered loop k+1 with
-    (its exit state carried forward, as CALM does), into every skipped visit's slot."""
-    rope = model.rope(pos, x.size(1))
-    visits = [(k2, j) for k2 in range(k + 1, n_loop + 1) for j in range(model.config.n_layer)]
-    for k2, j in visits:
-        block = model.transformer.h[j]
-        _, keys, values = block.attn.qkv(block.ln_1(x), rope)
-        cache.slot('loop', j, k2).update(keys, values, pos)
+    def skip(self, model, h, e, k, R, pos):
+        """Rows self.rows exited at loop k with state h (B', T, C) and prelude output e: fill the
+        slots of the visits of loops k+1..R at pos, as the policy says."""
+        loop = lambda k2, j: self.slot('loop', j, k2)
+        if self.policy == 'recompute':
+            x, rope = model.carry(h, e), model.rope(pos, h.size(1))  # what loop k+1 would read
+            for k2 in range(k + 1, R + 1):
+                for j, block in enumerate(model.transformer.h):
+                    _, keys, values = block.attn.qkv(block.ln_1(x), rope)
+                    loop(k2, j).update(keys, values, pos)
+        elif self.policy == 'copy':
+            for k2 in range(k + 1, R + 1):
+                for j in range(self.K):
+                    loop(k2, j).copy(loop(k, j), pos)
+        elif self.policy == 'shared':
+            # loops 1..k filled slots 1..min(k, n) at pos; any slot left would hold no K/V of it
+            for k2 in range(k + 1, min(R, self.n) + 1):
+                for j in range(self.K):
+                    loop(k2, j).copy(loop(k, j), pos)
+        else:  # active: loops k+1..R's attention will not see this position
+            r = slice(None) if self.rows is None else self.rows
+            for k2 in range(k + 1, R + 1):
+                for j in range(self.K):
+                    loop(k2, j).reach[r, pos] = False
 
 
 @torch.no_grad()
-def decode_step(model, idx, cache, pos, n_loop, threshold=None, policy='maxprob'):
+def decode_step(model, idx, cache, pos, n_loop, threshold=None, policy='maxprob', rows=None):
     """Run tokens idx (B, T) at positions pos.. through up to n_loop loops, writing the cache.
     Returns the last position's logits (B, V) at each row's exit and the loops each row used (B,).
     Without a threshold every row runs n_loop loops; with one (a score, see score_threshold) a row
-    stops at the first loop whose score reaches it and leaves the batch for the loops after it."""
+    stops at the first loop whose score reaches it and leaves the batch for the loops after it;
+    cache.skip fills the slots it skips. rows: the cache rows idx's rows are (default: all)."""
     B = idx.size(0)
+    every = torch.arange(B, device=idx.device)
+
+    def run_on(r):
+        # the model runs on rows r of idx next: the cache reads and writes their rows
+        cache.rows = rows[r] if rows is not None else None if r.numel() == B else r
+
+    run_on(every)
     logits = torch.zeros(B, model.config.vocab_size, device=idx.device)
     used = torch.full((B,), float(n_loop), device=idx.device)
     x = e = model.untied('prelude', model.embed(idx, pos), cache, pos)
     score = None if threshold is None else ExitScorer(model, policy)
-    live = torch.arange(B, device=idx.device)  # the rows still looping
+    live = every                               # the rows still looping
     h_exit = torch.zeros_like(x)               # the state each row exited with (for the coda)
     loops, sent = model.loops(x, n_loop, cache, pos), None
     for k in range(1, n_loop + 1):
@@ -154,31 +214,45 @@ def decode_step(model, idx, cache, pos, n_loop, threshold=None, policy='maxprob'
         out = last if k == n_loop else score(z, logits_k) >= threshold
         if not bool(out.any()):
             continue
-        rows = live[out]
-        logits[rows], used[rows], h_exit[rows] = logits_k[out], float(k), h[out]
+        done = live[out]
+        logits[done], used[done], h_exit[done] = logits_k[out], float(k), h[out]
         if k < n_loop:
-            cache.rows = rows if rows.numel() < B else None
-            fill_skipped(model, cache, model.carry(h[out], e[out]), k, n_loop, pos)
+            run_on(done)
+            cache.skip(model, h[out], e[out], k, n_loop, pos)
         live, stay = live[~out], ~out
         if live.numel() == 0:
             break
-        cache.rows, e = live, e[stay]   # the next loops run on the rows that stay
+        run_on(live)    # the next loops run on the rows that stay
+        e = e[stay]
         score.keep(stay)
         sent = (h[stay], e)
-    cache.rows = None
+    run_on(every)
     if score is not None and model.config.n_coda:
         model.untied('coda', h_exit, cache, pos)  # the coda's slots at pos, from each exit state
+    cache.rows = None
     return logits, used
+
+
+def step(model, idx, cache, pos, n_loop, threshold, policy):
+    """decode_step for the last tokens idx (B, 1); under kv_policy 'active' a batch whose rows exit
+    at other loops goes one row at a time, since each row's attention sees other positions."""
+    if cache.policy != 'active' or threshold is None or idx.size(0) == 1:
+        return decode_step(model, idx, cache, pos, n_loop, threshold, policy)
+    out = [decode_step(model, idx[b:b + 1], cache, pos, n_loop, threshold, policy,
+                       rows=torch.tensor([b], device=idx.device)) for b in range(idx.size(0))]
+    return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None,
-             exit_threshold=None, exit_policy='maxprob', use_cache=True):
+             exit_threshold=None, exit_policy='maxprob', use_cache=True, kv_policy='recompute',
+             kv_slots=None):
     """Sample max_new_tokens after idx (B, T); returns (idx with them, loops per new token (B, new)).
     Fixed exit: every token stops at loop n_loop (default R). Adaptive exit: a token stops at the
     first loop whose exit score reaches exit_threshold (for 'kl': whose KL to the previous exit is
     at most it). temperature 0 = greedy. The prompt runs all n_loop loops, and so does the first
-    new token, which is read off the prompt pass."""
+    new token, which is read off the prompt pass. kv_policy (and kv_slots for 'shared'): what an
+    exited token leaves in the cache slots of the loops it skips (KVCache)."""
     R = model.config.n_loop if n_loop is None else n_loop
     assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: one of {EXIT_POLICIES}"
     assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
@@ -194,11 +268,12 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=Non
             # (re)fill the cache from the context cropped to the block size, exactly what the uncached
             # forward sees; positions restart at 0 after a crop, so old keys are invalid
             idx_cond = idx[:, -bs:]
-            cache = KVCache(model, idx.size(0), R, idx.device, model.lm_head.weight.dtype)
+            cache = KVCache(model, idx.size(0), R, idx.device, model.lm_head.weight.dtype,
+                            kv_policy, kv_slots)
             logits, used = decode_step(model, idx_cond, cache, 0, R)
             pos = idx_cond.size(1)
         else:
-            logits, used = decode_step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
+            logits, used = step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
             pos += 1
         if temperature == 0:
             idx_next = logits.argmax(dim=-1, keepdim=True)

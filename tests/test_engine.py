@@ -1,0 +1,117 @@
+"""engine.py: the KV-cache policies, the refill past the block size, self-speculative decoding."""
+import math
+
+import pytest
+import torch
+
+from engine import KV_POLICIES, KVCache, decode_step, generate
+from model import GPT, GPTConfig
+
+V, T = 48, 16
+
+
+def tiny(**kw):
+    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=4, n_head=2, n_embd=16)
+    base.update(kw)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**base)).eval()
+
+
+def prompts(B=3, n=4, seed=1):
+    return torch.randint(0, V, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- KV-cache policies
+
+def test_recompute_with_a_threshold_that_never_exits_is_fixed_depth_decoding():
+    m, x = tiny(), prompts()
+    fixed, _ = generate(m, x, 10, temperature=0)
+    never, used = generate(m, x, 10, temperature=0, exit_threshold=1.0)  # maxprob never reaches 1
+    assert torch.equal(never, fixed) and used.eq(4).all()
+
+
+@pytest.mark.parametrize('policy,kv_slots', [('recompute', None), ('copy', None), ('active', None),
+                                             ('shared', 4), ('shared', 6)])
+def test_every_policy_that_runs_all_loops_is_fixed_depth_decoding(policy, kv_slots):
+    # a threshold only the last exit reaches: every token runs R loops, nothing is skipped
+    m, x = tiny(), prompts()
+    fixed, _ = generate(m, x, 10, temperature=0)
+    out, used = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
+                         kv_policy=policy, kv_slots=kv_slots)
+    assert torch.equal(out, fixed) and used.eq(4).all()
+
+
+def test_shared_slots_fewer_than_loops_decode_as_their_own_fixed_depth():
+    # with kv_slots < R the cache itself is an approximation; exits that never fire change nothing more
+    m, x = tiny(), prompts()
+    fixed, _ = generate(m, x, 10, temperature=0, kv_policy='shared', kv_slots=2)
+    out, _ = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
+                      kv_policy='shared', kv_slots=2)
+    assert torch.equal(out, fixed)
+
+
+def test_shared_cache_memory_is_independent_of_R():
+    m = tiny()
+    nbytes = lambda R, policy, n=None: KVCache(m, 2, R, 'cpu', torch.float32, policy, n).nbytes()
+    assert len({nbytes(R, 'shared', 2) for R in (4, 8, 16)}) == 1
+    assert nbytes(16, 'recompute') == 4 * nbytes(4, 'recompute')             # the others grow with R
+    assert nbytes(4, 'shared', 4) == nbytes(4, 'recompute')
+
+
+def test_copy_fills_skipped_slots_with_the_exit_loops_keys_and_values():
+    m, x = tiny(), prompts(B=2)
+    R = 4
+    cache = KVCache(m, 2, R, 'cpu', torch.float32, 'copy')
+    decode_step(m, x, cache, 0, R)
+    _, used = decode_step(m, x[:, -1:], cache, 4, R, threshold=0.0)     # every row exits after loop 1
+    assert used.eq(1).all()
+    for j in range(m.config.n_layer):
+        first = cache.slot('loop', j, 1)
+        for k in range(2, R + 1):
+            slot = cache.slot('loop', j, k)
+            assert torch.equal(slot.k[:, :, 4], first.k[:, :, 4]) and torch.equal(slot.v[:, :, 4], first.v[:, :, 4])
+
+
+@pytest.mark.parametrize('policy', ['copy', 'shared', 'active'])
+def test_batched_exits_under_each_policy_equal_decoding_each_row_alone(policy):
+    m, x = tiny(readout='raw'), prompts(B=4, seed=3)
+    with torch.no_grad():
+        h1 = m.states(x, n_loop=1)[0]
+        t = m.readout(h1, 1).softmax(-1).amax(-1).median().item()  # about half the tokens exit at loop 1
+    kw = dict(temperature=0, exit_threshold=t, kv_policy=policy, kv_slots=2)
+    both, used = generate(m, x, 8, **kw)
+    assert len(set(used[:, 1:].flatten().tolist())) > 1
+    for b in range(4):
+        alone, alone_used = generate(m, x[b:b + 1], 8, **kw)
+        assert torch.equal(alone[0], both[b]) and torch.equal(alone_used[0], used[b]), b
+
+
+def test_active_attention_sees_only_positions_that_reached_the_loop():
+    m, x = tiny(), prompts(B=1)
+    R = 4
+    cache = KVCache(m, 1, R, 'cpu', torch.float32, 'active')
+    decode_step(m, x, cache, 0, R)
+    decode_step(m, x[:, -1:], cache, 4, R, threshold=0.0)               # position 4 exits at loop 1
+    assert cache.slot('loop', 0, 1).reach[0, :5].all()
+    assert cache.slot('loop', 0, 2).reach[0, :5].tolist() == [True] * 4 + [False]
+    # the next token's loop 2 sees positions 0..3 and itself: 5 keys
+    seen, slot = [], cache.slot('loop', 1, 2)
+    update = slot.update
+
+    def watch(k, v, pos):
+        keys, values = update(k, v, pos)
+        seen.append(keys.size(2))
+        return keys, values
+
+    slot.update = watch
+    decode_step(m, x[:, :1], cache, 5, R)
+    assert seen == [5]
+
+
+def test_unknown_policy_and_bad_kv_slots_are_rejected():
+    m = tiny()
+    with pytest.raises(AssertionError, match='kv_policy'):
+        KVCache(m, 1, 4, 'cpu', torch.float32, 'latest')
+    with pytest.raises(AssertionError, match='kv_slots'):
+        KVCache(m, 1, 4, 'cpu', torch.float32, 'shared', 0)
+    assert set(KV_POLICIES) == {'recompute', 'copy', 'shared', 'active'}
