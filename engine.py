@@ -243,46 +243,65 @@ def step(model, idx, cache, pos, n_loop, threshold, policy):
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
 
+def probs(logits, temperature, top_k):
+    # the distribution a token is sampled from: logits / temperature, only the top_k kept
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float('Inf')
+    return F.softmax(logits, dim=-1)
+
+
+def pick(logits, temperature, top_k):
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    return torch.multinomial(probs(logits, temperature, top_k), num_samples=1)
+
+
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None,
              exit_threshold=None, exit_policy='maxprob', use_cache=True, kv_policy='recompute',
-             kv_slots=None):
+             kv_slots=None, stats=None):
     """Sample max_new_tokens after idx (B, T); returns (idx with them, loops per new token (B, new)).
     Fixed exit: every token stops at loop n_loop (default R). Adaptive exit: a token stops at the
     first loop whose exit score reaches exit_threshold (for 'kl': whose KL to the previous exit is
     at most it). temperature 0 = greedy. The prompt runs all n_loop loops, and so does the first
     new token, which is read off the prompt pass. kv_policy (and kv_slots for 'shared'): what an
-    exited token leaves in the cache slots of the loops it skips (KVCache)."""
+    exited token leaves in the cache slots of the loops it skips (KVCache). stats: a dict to
+    count in: refills (the window slid).
+
+    Past the block size the context is cropped as in nanoGPT, but half a block at a time: when the
+    window idx[:, start:] is full, it slides to its last block_size/2 tokens and the cache is
+    refilled from them (positions restart at 0 after a crop, so the old keys are invalid). A refill
+    is one pass over block_size/2 tokens every block_size/2 + 1 tokens: O(1) per token; cropping
+    to the last block_size tokens at every step re-runs the whole window for every token. The
+    price: a token past the first block sees block_size/2..block_size tokens of context, not always
+    block_size. The uncached path crops the same way, so both decode alike (docs/decoding.md)."""
     R = model.config.n_loop if n_loop is None else n_loop
     assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: one of {EXIT_POLICIES}"
     assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
     threshold = None if exit_threshold is None else score_threshold(exit_policy, exit_threshold)
+    stats = {} if stats is None else stats
+    stats.setdefault('refills', 0)
     bs = model.config.block_size
-    cache, pos, used_all = None, 0, []
+    start = max(0, idx.size(1) - bs)  # the context window is idx[:, start:]
+    cache, used_all = None, []
     for _ in range(max_new_tokens):
+        if idx.size(1) - start > bs:
+            start, cache = idx.size(1) - max(1, bs // 2), None
+            stats['refills'] += 1
         if not use_cache:
-            logits, _ = model(idx[:, -bs:], n_loop=R)
+            logits, _ = model(idx[:, start:], n_loop=R)
             logits = logits[:, -1, :].float()
             used = torch.full((idx.size(0),), float(R), device=idx.device)
-        elif cache is None or pos == bs:
-            # (re)fill the cache from the context cropped to the block size, exactly what the uncached
-            # forward sees; positions restart at 0 after a crop, so old keys are invalid
-            idx_cond = idx[:, -bs:]
+        elif cache is None:
             cache = KVCache(model, idx.size(0), R, idx.device, model.lm_head.weight.dtype,
                             kv_policy, kv_slots)
-            logits, used = decode_step(model, idx_cond, cache, 0, R)
-            pos = idx_cond.size(1)
+            logits, used = decode_step(model, idx[:, start:], cache, 0, R)
         else:
+            # the last token, not run yet, at position idx.size(1) - 1 - start of the window
+            pos = idx.size(1) - 1 - start
             logits, used = step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
-            pos += 1
-        if temperature == 0:
-            idx_next = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float('Inf')
-            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-        idx = torch.cat((idx, idx_next), dim=1)
+        idx = torch.cat((idx, pick(logits, temperature, top_k)), dim=1)
         used_all.append(used)
     return idx, torch.stack(used_all, dim=1) if used_all else torch.zeros(idx.size(0), 0)

@@ -69,7 +69,8 @@ def test_copy_fills_skipped_slots_with_the_exit_loops_keys_and_values():
         first = cache.slot('loop', j, 1)
         for k in range(2, R + 1):
             slot = cache.slot('loop', j, k)
-            assert torch.equal(slot.k[:, :, 4], first.k[:, :, 4]) and torch.equal(slot.v[:, :, 4], first.v[:, :, 4])
+            assert torch.equal(slot.k[:, :, 4], first.k[:, :, 4])
+            assert torch.equal(slot.v[:, :, 4], first.v[:, :, 4])
 
 
 @pytest.mark.parametrize('policy', ['copy', 'shared', 'active'])
@@ -115,3 +116,43 @@ def test_unknown_policy_and_bad_kv_slots_are_rejected():
     with pytest.raises(AssertionError, match='kv_slots'):
         KVCache(m, 1, 4, 'cpu', torch.float32, 'shared', 0)
     assert set(KV_POLICIES) == {'recompute', 'copy', 'shared', 'active'}
+
+
+# ---------------------------------------------------------------- past the block size
+
+def cropped_by_hand(m, x, n_new, n_loop=None):
+    """Greedy decoding by full recompute, cropping the context as generate does: when the window holds
+    block_size tokens and a new one, it keeps its last block_size/2. Returns tokens and window starts."""
+    start, starts = max(0, x.size(1) - T), []
+    with torch.no_grad():
+        for _ in range(n_new):
+            if x.size(1) - start > T:
+                start = x.size(1) - T // 2
+            starts.append(start)
+            logits, _ = m(x[:, start:], n_loop=n_loop)
+            x = torch.cat((x, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return x, starts
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(pos='rope', n_prelude=1, n_coda=1, injection='add')])
+def test_cached_decoding_past_the_block_size_equals_recompute_on_the_same_window(kw):
+    m, x = tiny(**kw), prompts(B=2)
+    stats = {}
+    out, _ = generate(m, x, 60, temperature=0, stats=stats)
+    ref, starts = cropped_by_hand(m, x, 60)
+    assert torch.equal(out, ref)
+    # inside the first block the window is everything: plain uncached decoding, no crop
+    assert starts[T - 4] == 0 and starts[T - 4 + 1] == T // 2 + 1
+    assert torch.equal(generate(m, x, 60, temperature=0, use_cache=False)[0], out)
+    # 4 + 60 tokens: the first slide when 17 are there, then every T/2 + 1 = 9 tokens: ~2N/T refills
+    assert stats['refills'] == len(set(starts)) - 1 == 6
+
+
+def test_refills_come_every_half_block():
+    m, x = tiny(n_loop=1), prompts(B=1, n=T)  # a full first window: the first new token slides it
+    for n in (40, 80, 160):
+        stats = {}
+        generate(m, x, n, temperature=0, stats=stats)
+        # a window refilled with T/2 tokens slides again when it would hold T + 1: every T/2 + 1 tokens
+        assert stats['refills'] == math.ceil((n - 1) / (T // 2 + 1)), n
+        assert 0.8 * 2 * n / T <= stats['refills'] <= 2 * n / T
