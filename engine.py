@@ -258,17 +258,79 @@ def pick(logits, temperature, top_k):
     return torch.multinomial(probs(logits, temperature, top_k), num_samples=1)
 
 
+def draft(model, idx, cache, pos, k):
+    """Loops 1..k of the tokens idx (B, 1) at pos, writing their slots: exit k's logits (B, V) and
+    the state (h_k, e) that verify goes on from."""
+    e = model.untied('prelude', model.embed(idx, pos), cache, pos)
+    for _, h in model.loops(e, k, cache, pos):
+        pass
+    z = model.head_input(h, k, cache, pos)[:, -1]  # (its coda slot is rewritten by verify)
+    return model.lm_head(z).float(), (h, e)
+
+
+def verify(model, state, cache, pos, k, R):
+    """Loops k+1..R of a drafted position, from its state after loop k: exit R's logits (B, V),
+    the same numbers a fixed-R step computes, since loops 1..k are the draft's own."""
+    h, e = state
+    cache.offset = k  # the model numbers these loops 1..R-k: they are loops k+1..R
+    loops, sent = model.loops(model.carry(h, e), R - k, cache, pos), None
+    for _ in range(R - k):
+        _, h = loops.send(sent)
+        sent = (h, e)  # the generator took its input for e: send the prelude's back
+    cache.offset = 0
+    z = model.head_input(h, R, cache, pos)[:, -1]
+    return model.lm_head(z).float()
+
+
+def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k, stats):
+    """One round of self-speculative decoding after idx (B, T), whose last token (at pos) has not
+    run yet: draft gamma tokens with loops 1..k, then verify them with loops k+1..R from the
+    drafted states. Returns the 1..gamma tokens (B, n) kept, fixed-R decoding's own: greedy, the
+    same tokens; sampled, the same distribution (accept a draft x with probability
+    min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k), normalised). The model's
+    attention takes several new tokens only at position 0, so verification goes one position at
+    a time. A batch keeps tokens up to the first position some row rejects (exact for every row).
+    Slots past the kept positions hold drafts: each is rewritten before any query reads it."""
+    tok, drafts = idx[:, -1:], []
+    for i in range(gamma):
+        q_logits, state = draft(model, tok, cache, pos + i, k)
+        tok = pick(q_logits, temperature, top_k)
+        drafts.append((q_logits, state, tok))
+    out = []
+    for i, (q_logits, state, tok) in enumerate(drafts):
+        p_logits = verify(model, state, cache, pos + i, k, R)
+        if temperature == 0:
+            fix = p_logits.argmax(dim=-1, keepdim=True)
+            ok = fix == tok
+        else:
+            p, q = probs(p_logits, temperature, top_k), probs(q_logits, temperature, top_k)
+            px, qx = p.gather(1, tok), q.gather(1, tok)
+            ok = torch.rand_like(px) * qx < px            # u < p(x) / q(x), u ~ U[0, 1)
+            rest = (p - q).clamp(min=0)
+            rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # (rows that accept anyway)
+            fix = torch.multinomial(rest, num_samples=1)
+        stats['checked'] += ok.numel()
+        stats['accepted'] += int(ok.sum())
+        out.append(torch.where(ok, tok, fix))
+        if not bool(ok.all()):
+            break
+    stats['drafted'] += gamma * idx.size(0)
+    return torch.cat(out, dim=1)
+
+
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None,
              exit_threshold=None, exit_policy='maxprob', use_cache=True, kv_policy='recompute',
-             kv_slots=None, stats=None):
+             kv_slots=None, draft_loops=None, speculate=None, stats=None):
     """Sample max_new_tokens after idx (B, T); returns (idx with them, loops per new token (B, new)).
     Fixed exit: every token stops at loop n_loop (default R). Adaptive exit: a token stops at the
     first loop whose exit score reaches exit_threshold (for 'kl': whose KL to the previous exit is
     at most it). temperature 0 = greedy. The prompt runs all n_loop loops, and so does the first
     new token, which is read off the prompt pass. kv_policy (and kv_slots for 'shared'): what an
-    exited token leaves in the cache slots of the loops it skips (KVCache). stats: a dict to
-    count in: refills (the window slid).
+    exited token leaves in the cache slots of the loops it skips (KVCache). Self-speculative
+    decoding: draft_loops=k and speculate=gamma draft gamma tokens with loops 1..k and keep those
+    that loops k+1..R confirm: fixed-R decoding, exactly (see speculate). stats: a dict to count
+    in: refills (the window slid); drafted, checked and accepted drafts (speculative).
 
     Past the block size the context is cropped as in nanoGPT, but half a block at a time: when the
     window idx[:, start:] is full, it slides to its last block_size/2 tokens and the cache is
@@ -281,15 +343,20 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=Non
     assert exit_policy in EXIT_POLICIES, f"exit_policy={exit_policy!r}: one of {EXIT_POLICIES}"
     assert use_cache or exit_threshold is None, "adaptive exit needs the KV cache"
     threshold = None if exit_threshold is None else score_threshold(exit_policy, exit_threshold)
+    assert draft_loops is None or (1 <= draft_loops < R and speculate >= 1 and use_cache
+                                   and exit_threshold is None and kv_policy != 'shared'), \
+        "speculative decoding drafts with 1..R-1 loops, speculate >= 1, fixed exits, an exact cache"
     stats = {} if stats is None else stats
-    stats.setdefault('refills', 0)
+    for key in ('refills', 'drafted', 'checked', 'accepted'):
+        stats.setdefault(key, 0)
     bs = model.config.block_size
     start = max(0, idx.size(1) - bs)  # the context window is idx[:, start:]
-    cache, used_all = None, []
-    for _ in range(max_new_tokens):
+    cache, used_all, n_new = None, [], 0
+    while n_new < max_new_tokens:
         if idx.size(1) - start > bs:
             start, cache = idx.size(1) - max(1, bs // 2), None
             stats['refills'] += 1
+        pos = idx.size(1) - 1 - start  # the last token's position in the window (once cached)
         if not use_cache:
             logits, _ = model(idx[:, start:], n_loop=R)
             logits = logits[:, -1, :].float()
@@ -298,10 +365,16 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=Non
             cache = KVCache(model, idx.size(0), R, idx.device, model.lm_head.weight.dtype,
                             kv_policy, kv_slots)
             logits, used = decode_step(model, idx[:, start:], cache, 0, R)
+        elif draft_loops is not None:
+            # the drafts stay inside the window and the tokens asked for
+            gamma = min(speculate, bs - pos, max_new_tokens - n_new)
+            new = speculate_round(model, idx, cache, pos, R, draft_loops, gamma, temperature, top_k,
+                                  stats)
+            idx, n_new = torch.cat((idx, new), dim=1), n_new + new.size(1)
+            used_all += [torch.full((idx.size(0),), float(R), device=idx.device)] * new.size(1)
+            continue
         else:
-            # the last token, not run yet, at position idx.size(1) - 1 - start of the window
-            pos = idx.size(1) - 1 - start
             logits, used = step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
-        idx = torch.cat((idx, pick(logits, temperature, top_k)), dim=1)
+        idx, n_new = torch.cat((idx, pick(logits, temperature, top_k)), dim=1), n_new + 1
         used_all.append(used)
     return idx, torch.stack(used_all, dim=1) if used_all else torch.zeros(idx.size(0), 0)

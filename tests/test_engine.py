@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine import KV_POLICIES, KVCache, decode_step, generate
+from engine import KV_POLICIES, KVCache, decode_step, generate, speculate_round
 from model import GPT, GPTConfig
 
 V, T = 48, 16
@@ -156,3 +156,48 @@ def test_refills_come_every_half_block():
         # a window refilled with T/2 tokens slides again when it would hold T + 1: every T/2 + 1 tokens
         assert stats['refills'] == math.ceil((n - 1) / (T // 2 + 1)), n
         assert 0.8 * 2 * n / T <= stats['refills'] <= 2 * n / T
+
+
+# ---------------------------------------------------------------- self-speculative decoding
+
+@pytest.mark.parametrize('kw', [dict(), dict(pos='rope', n_prelude=1, n_coda=1, injection='concat',
+                                             inter_loop_norm='rmsnorm', readout='final_only')])
+def test_greedy_self_speculative_decoding_is_fixed_R_greedy_for_every_k_and_gamma(kw):
+    m, x = tiny(**kw), prompts(B=2)
+    if 'injection' in kw:
+        with torch.no_grad():  # an adapter that mixes e in: other tokens at other depths
+            m.transformer.adapter.weight.add_(0.5 * torch.randn_like(m.transformer.adapter.weight))
+    fixed, _ = generate(m, x, 30, temperature=0)  # 4 + 30 tokens: past the block size too
+    rates = []
+    for k in range(1, 4):
+        for gamma in range(1, 5):
+            stats = {}
+            out, used = generate(m, x, 30, temperature=0, draft_loops=k, speculate=gamma, stats=stats)
+            assert torch.equal(out, fixed), (k, gamma)
+            assert used.shape == (2, 30) and used.eq(4).all()
+            assert 0 <= stats['accepted'] <= stats['checked'] <= stats['drafted']
+            rates.append(stats['accepted'] / stats['checked'])
+    assert 0 < max(rates) and min(rates) < 1  # drafts are both kept and rejected
+
+
+def test_rejected_drafts_leave_nothing_stale_in_the_cache():
+    # after a round, every kept position's slots hold what fixed-R decoding writes there
+    m, x = tiny(n_coda=1), prompts(B=1, seed=2)
+    fixed_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
+    out, _ = generate(m, x, 12, temperature=0, draft_loops=1, speculate=4)
+    decode_step(m, out[:, :-1], fixed_cache, 0, 4)
+    spec_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
+    decode_step(m, x, spec_cache, 0, 4)
+    pos, stats = 4, dict(checked=0, accepted=0, drafted=0)
+    seq = out[:, :5]
+    while seq.size(1) < out.size(1):
+        gamma = min(4, out.size(1) - seq.size(1))
+        new = speculate_round(m, seq, spec_cache, pos, 4, 1, gamma, 0, None, stats)
+        seq = torch.cat((seq, new), dim=1)
+        pos += new.size(1)
+    assert torch.equal(seq, out) and stats['accepted'] < stats['checked']
+    n = out.size(1) - 1  # positions 0..n-1 have run
+    for part in ('prelude', 'loop', 'coda'):
+        for a, b in zip(spec_cache.slots[part], fixed_cache.slots[part]):
+            assert torch.allclose(a.k[:, :, :n], b.k[:, :, :n], atol=1e-6), part
+            assert torch.allclose(a.v[:, :, :n], b.v[:, :, :n], atol=1e-6), part
