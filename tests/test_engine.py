@@ -201,3 +201,66 @@ def test_rejected_drafts_leave_nothing_stale_in_the_cache():
         for a, b in zip(spec_cache.slots[part], fixed_cache.slots[part]):
             assert torch.allclose(a.k[:, :, :n], b.k[:, :, :n], atol=1e-6), part
             assert torch.allclose(a.v[:, :, :n], b.v[:, :, :n], atol=1e-6), part
+
+
+def sharp(V=5, R=3):
+    """A tiny-vocabulary model whose loops disagree: exit 1's next-token distribution is far from exit R's."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_loop=R, n_head=2, n_embd=16, init='gpt2'))
+    with torch.no_grad():
+        for p in m.transformer.h.parameters():
+            p.mul_(30.0 if p.dim() == 2 else 1.0)
+        m.lm_head.weight.mul_(20.0)
+    return m.eval()
+
+
+def exact_pairs(m, x, n_loop):
+    """P(t2, t3) (V, V) of tokens 2 and 3 sampled after x at temperature 1, by enumeration."""
+    V = m.config.vocab_size
+    p = lambda seq: m(seq, n_loop=n_loop)[0][0, -1].softmax(-1)
+    out = torch.zeros(V, V)
+    with torch.no_grad():
+        p1 = p(x)
+        for t1 in range(V):
+            s1 = torch.cat((x, torch.tensor([[t1]])), 1)
+            p2 = p(s1)
+            for t2 in range(V):
+                out[t2] += p1[t1] * p2[t2] * p(torch.cat((s1, torch.tensor([[t2]])), 1))
+    return out
+
+
+def chi2(counts, expected):
+    """Pearson's statistic over cells expecting >= 5 (the rest pooled) and its 0.999 quantile."""
+    big = expected >= 5
+    obs = torch.cat((counts[big], counts[~big].sum()[None]))
+    exp = torch.cat((expected[big], expected[~big].sum()[None]))
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    df = int(keep.sum()) - 1
+    z = 3.09  # Wilson-Hilferty: the chi-square quantile from the normal one
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize('k,gamma,batch', [(1, 2, False), (2, 3, False), (1, 2, True)])
+def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch):
+    m, x = sharp(), torch.tensor([[0, 1, 2, 3]])
+    target, draft = exact_pairs(m, x, 3), exact_pairs(m, x, k)
+    N = 1500
+    stats = {}
+    if batch:  # rows in one batch (a round keeps tokens up to the first row's rejection)
+        torch.manual_seed(0)
+        out, _ = generate(m, x.expand(N, -1), 3, temperature=1.0, draft_loops=k, speculate=gamma,
+                          stats=stats)
+    else:      # one sequence per seed: later drafts are accepted too
+        runs = []
+        for seed in range(N):
+            torch.manual_seed(seed)
+            runs.append(generate(m, x, 3, temperature=1.0, draft_loops=k, speculate=gamma, stats=stats)[0])
+        out = torch.cat(runs)
+    counts = torch.zeros(5, 5)
+    counts.index_put_((out[:, 5], out[:, 6]), torch.ones(N), accumulate=True)
+    stat, bound = chi2(counts.flatten(), N * target.flatten())
+    assert stat < bound, (stat, bound)
+    # the test can tell: the drafts alone are far from it (and some are rejected)
+    assert chi2(N * draft.flatten(), N * target.flatten())[0] > 3 * bound
+    assert 0 < stats['accepted'] < stats['checked']
