@@ -264,3 +264,59 @@ def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch):
     # the test can tell: the drafts alone are far from it (and some are rejected)
     assert chi2(N * draft.flatten(), N * target.flatten())[0] > 3 * bound
     assert 0 < stats['accepted'] < stats['checked']
+
+
+# ---------------------------------------------------------------- sample.py
+
+def run_sample(argv):
+    """sample.main in-process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    import sample
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            sample.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_sample_reports_tokens_per_second_loops_and_acceptance(tiny_data, tiny_ckpt, monkeypatch):
+    import re
+    monkeypatch.chdir(tiny_data.parent.parent)
+    base = [f'--out_dir={tiny_ckpt}', '--num_samples=2', '--max_new_tokens=12', '--device=cpu',
+            '--temperature=0', '--n_loop=3']
+    code, fixed, err = run_sample(base)
+    assert code == 0 and 'tokens/s' not in fixed, err  # plain decoding: the samples only
+    code, spec, err = run_sample(base + ['--draft_loops=1', '--speculate=3'])
+    assert code == 0, err
+    m = re.search(r'3 loops per token, (\d+) of (\d+) drafts accepted \((\d+)%\)', spec)
+    assert m and int(m.group(1)) <= int(m.group(2))
+    assert re.search(r'24 tokens in [\d.]+ s \([\d.]+ tokens/s\), 3 loops per token', spec)
+    texts = lambda out: out[out.index('\n', out.index('sampling ')) + 1:].split('---------------\n')[:-1]
+    assert len(texts(spec)) == 2 and texts(spec) == texts(fixed)            # greedy: the same text
+    for policy in ('copy', 'shared', 'active'):
+        slots = ['--kv_slots=2'] if policy == 'shared' else []
+        code, out, err = run_sample(base + ['--exit_threshold=0.5', f'--kv_policy={policy}', *slots])
+        assert code == 0 and 'mean loops used per token' in out and 'tokens/s' in out, err
+
+
+@pytest.mark.parametrize('args,says', [
+    (['--kv_policy=latest'], "invalid choice: 'latest'"),
+    (['--kv_policy=shared', '--kv_slots=0'], '--kv_slots=0: must be >= 1'),
+    (['--kv_policy=shared'], '--kv_policy=shared needs --kv_slots=N'),
+    (['--kv_policy=shared', '--kv_slots=3'], 'at most 2 slots'),
+    (['--kv_slots=2'], 'add it, or drop --kv_slots'),
+    (['--kv_policy=copy'], 'add --exit_threshold'),
+    (['--draft_loops=2'], 'fewer loops than the 2'),
+    (['--draft_loops=1', '--speculate=0'], '--speculate=0: must be >= 1'),
+    (['--speculate=2'], 'add --draft_loops'),
+    (['--draft_loops=1', '--exit_threshold=0.5'], 'drop --exit_threshold'),
+    (['--draft_loops=1', '--kv_policy=shared', '--kv_slots=1'], 'drop --kv_policy=shared'),
+])
+def test_bad_decoding_flags_are_one_line_errors(tiny_data, tiny_ckpt, monkeypatch, args, says):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    code, _, err = run_sample([f'--out_dir={tiny_ckpt}', '--max_new_tokens=4', '--device=cpu', *args])
+    assert code not in (0, None) and err.startswith('error: ') and err.count('\n') == 1, err
+    assert says in err, err
