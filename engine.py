@@ -1,14 +1,16 @@
 """
-Decoding a looped GPT: the KV cache, a decode step with a fixed or an adaptive exit, generate.
+Decoding a looped GPT: the KV cache, a decode step with a fixed or an adaptive exit, generate,
+self-speculative decoding (docs/decoding.md).
 
 The model knows nothing of this file: its attention asks the cache for a visit's slot
 (cache.slot(part, j, k)) and hands it the new keys and values (slot.update). Everything else about
-decoding lives here: which rows are still looping, what a row that exited early writes into the
-slots of the visits it skips, and when to stop.
+decoding lives here: which rows are still looping, what a row that exited early leaves in the
+slots of the visits it skips (the kv_policy), the context past the block size, and when to stop.
 
-    cache = KVCache(model, B, R, device, dtype)
+    cache = KVCache(model, B, R, device, dtype, policy='recompute')
     logits, used = decode_step(model, idx, cache, pos, R, threshold, policy)
     idx, used = generate(model, idx, max_new_tokens, temperature=0.8, exit_threshold=0.9)
+    idx, used = generate(model, idx, max_new_tokens, draft_loops=2, speculate=4)  # fixed-R's tokens
 
 Exit policies score how ready a position is to stop at exit k (docs/papers.md §1; §4 for kl and
 gate): three confidences of one exit's logits, the KL between successive exits (Huginn) and the
@@ -329,7 +331,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=Non
     new token, which is read off the prompt pass. kv_policy (and kv_slots for 'shared'): what an
     exited token leaves in the cache slots of the loops it skips (KVCache). Self-speculative
     decoding: draft_loops=k and speculate=gamma draft gamma tokens with loops 1..k and keep those
-    that loops k+1..R confirm: fixed-R decoding, exactly (see speculate). stats: a dict to count
+    that loops k+1..R confirm: fixed-R decoding, exactly (speculate_round). stats: a dict to count
     in: refills (the window slid); drafted, checked and accepted drafts (speculative).
 
     Past the block size the context is cropped as in nanoGPT, but half a block at a time: when the

@@ -6,6 +6,7 @@ import torch
 
 from engine import KV_POLICIES, KVCache, decode_step, generate, speculate_round
 from model import GPT, GPTConfig
+from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
 
 V, T = 48, 16
 
@@ -268,28 +269,14 @@ def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch):
 
 # ---------------------------------------------------------------- sample.py
 
-def run_sample(argv):
-    """sample.main in-process: (exit code, stdout, stderr)."""
-    import contextlib
-    import io
-    import sample
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            sample.main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_sample_reports_tokens_per_second_loops_and_acceptance(tiny_data, tiny_ckpt, monkeypatch):
     import re
     monkeypatch.chdir(tiny_data.parent.parent)
     base = [f'--out_dir={tiny_ckpt}', '--num_samples=2', '--max_new_tokens=12', '--device=cpu',
             '--temperature=0', '--n_loop=3']
-    code, fixed, err = run_sample(base)
+    code, fixed, err = run_main(base)
     assert code == 0 and 'tokens/s' not in fixed, err  # plain decoding: the samples only
-    code, spec, err = run_sample(base + ['--draft_loops=1', '--speculate=3'])
+    code, spec, err = run_main(base + ['--draft_loops=1', '--speculate=3'])
     assert code == 0, err
     m = re.search(r'3 loops per token, (\d+) of (\d+) drafts accepted \((\d+)%\)', spec)
     assert m and int(m.group(1)) <= int(m.group(2))
@@ -298,7 +285,7 @@ def test_sample_reports_tokens_per_second_loops_and_acceptance(tiny_data, tiny_c
     assert len(texts(spec)) == 2 and texts(spec) == texts(fixed)            # greedy: the same text
     for policy in ('copy', 'shared', 'active'):
         slots = ['--kv_slots=2'] if policy == 'shared' else []
-        code, out, err = run_sample(base + ['--exit_threshold=0.5', f'--kv_policy={policy}', *slots])
+        code, out, err = run_main(base + ['--exit_threshold=0.5', f'--kv_policy={policy}', *slots])
         assert code == 0 and 'mean loops used per token' in out and 'tokens/s' in out, err
 
 
@@ -317,6 +304,6 @@ def test_sample_reports_tokens_per_second_loops_and_acceptance(tiny_data, tiny_c
 ])
 def test_bad_decoding_flags_are_one_line_errors(tiny_data, tiny_ckpt, monkeypatch, args, says):
     monkeypatch.chdir(tiny_data.parent.parent)
-    code, _, err = run_sample([f'--out_dir={tiny_ckpt}', '--max_new_tokens=4', '--device=cpu', *args])
+    code, _, err = run_main([f'--out_dir={tiny_ckpt}', '--max_new_tokens=4', '--device=cpu', *args])
     assert code not in (0, None) and err.startswith('error: ') and err.count('\n') == 1, err
     assert says in err, err
