@@ -194,8 +194,11 @@ def decode_step(model, idx, cache, pos, n_loop, threshold=None, policy='maxprob'
     every = torch.arange(B, device=idx.device)
 
     def run_on(r):
-        # the model runs on rows r of idx next: the cache reads and writes their rows
-        cache.rows = rows[r] if rows is not None else None if r.numel() == B else r
+        # the model runs on rows r of idx next: the cache reads and writes their rows (None = all)
+        if rows is not None:
+            cache.rows = rows[r]
+        else:
+            cache.rows = None if r.numel() == B else r
 
     run_on(every)
     logits = torch.zeros(B, model.config.vocab_size, device=idx.device)
