@@ -6,18 +6,21 @@ Sample from a trained looped GPT, as nanoGPT's sample.py does.
     python sample.py --out_dir=out-shakespeare-char --exit_threshold=0.9   # adaptive: first confident loop
     python sample.py --out_dir=out-huginn --exit_policy=kl --exit_threshold=5e-4 --n_loop=16  # KL exit
     python sample.py --out_dir=out-ouro --exit_policy=gate --exit_threshold=0.5  # the learned gate's exit
+    python sample.py --out_dir=out-shakespeare-char --exit_threshold=0.9 --kv_policy=copy  # cheaper exits
+    python sample.py --out_dir=out-shakespeare-char --draft_loops=1 --speculate=4  # self-speculative
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt
 
 The tokenizer comes from data/<dataset>/meta.json (the dataset is named in the checkpoint), or --meta PATH.
 """
 import os
+import time
 from contextlib import nullcontext
 
 import torch
 
 import checkpoint
 from errors import Parser, die
-from engine import EXIT_POLICIES, generate, score_threshold
+from engine import EXIT_POLICIES, KV_POLICIES, generate, score_threshold
 from prepare import get_tokenizer, load_meta
 
 
@@ -38,6 +41,14 @@ p.add_argument('--exit_policy', default='maxprob', choices=EXIT_POLICIES,
                help='adaptive exit score: max softmax prob, top1 - top2 logit margin, 1 - H/log V, kl (exit '
                'when KL(previous exit || this exit) <= threshold), or gate (the learned gate\'s cumulative '
                'exit probability)')
+p.add_argument('--kv_policy', default='recompute', choices=KV_POLICIES,
+               help='what an exited token leaves in the cache slots of the loops it skips: recompute '
+               '(their K/V from its exit state), copy (its exit loop\'s K/V), shared (--kv_slots slots '
+               'per layer), active (nothing: a loop sees only the tokens that reached it); docs/decoding.md')
+p.add_argument('--kv_slots', type=int, default=None, help='kv_policy=shared: cache slots per layer (1..R)')
+p.add_argument('--draft_loops', type=int, default=None,
+               help='self-speculative decoding: draft with this many loops, keep what the rest confirm')
+p.add_argument('--speculate', type=int, default=None, help='with --draft_loops: tokens per draft (default 4)')
 p.add_argument('--meta', default=None, help='a meta.json (or its folder) to decode with; default: '
                'data/<dataset>/meta.json, else the copy in the checkpoint')
 
@@ -73,7 +84,8 @@ def read_start(start):
 
 
 def check_args(args):
-    at_least = dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=1, exit_threshold=0)
+    at_least = dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=1, exit_threshold=0,
+                    kv_slots=1, draft_loops=1, speculate=1)
     for name, low in at_least.items():
         value = getattr(args, name)
         if value is not None and value < low:
@@ -91,6 +103,30 @@ def check_exit(args, config):
         score_threshold(args.exit_policy, args.exit_threshold)
     except ValueError as e:
         die(f"--{e}")
+
+
+def check_decoding(args, R):
+    """--kv_policy, --kv_slots, --draft_loops and --speculate that make sense together at R loops."""
+    policy, slots, k = args.kv_policy, args.kv_slots, args.draft_loops
+    if slots is not None and policy != 'shared':
+        die(f"--kv_slots={slots} sets the slots of --kv_policy=shared: add it, or drop --kv_slots")
+    if policy == 'shared' and slots is None:
+        die(f"--kv_policy=shared needs --kv_slots=N, the cache slots per layer (1..{R})")
+    if policy == 'shared' and slots > R:
+        die(f"--kv_slots={slots}: a token runs only {R} loops, so this model uses at most {R} slots")
+    if policy in ('copy', 'active') and args.exit_threshold is None and k is None:
+        die(f"--kv_policy={policy} decides what exited tokens leave in the cache: add --exit_threshold")
+    if args.speculate is not None and k is None:
+        die(f"--speculate={args.speculate} is the draft length of self-speculative decoding: "
+            f"add --draft_loops")
+    if k is None:
+        return
+    if k >= R:
+        die(f"--draft_loops={k}: drafts must use fewer loops than the {R} each token runs (1..{R - 1})")
+    if args.exit_threshold is not None:
+        die("--draft_loops: self-speculative decoding gives fixed-depth tokens; drop --exit_threshold")
+    if policy == 'shared':
+        die("--draft_loops: verifying drafts needs every loop's own cache slots; drop --kv_policy=shared")
 
 
 def pick_device(name):
@@ -139,25 +175,45 @@ def main(argv=None):
     model, decode, x = load(args, device)
 
     R = model.config.n_loop if args.n_loop is None else args.n_loop
+    check_decoding(args, R)
+    k = args.draft_loops
+    gamma = None if k is None else args.speculate or 4
     mode = (f"adaptive exit ({args.exit_policy} >= {args.exit_threshold}, at most {R} loops)"
             if args.exit_threshold is not None else f"fixed exit at loop {R}")
+    if k is not None:
+        mode += f", self-speculative (drafts of {gamma} tokens from loop {k})"
+    if args.kv_policy != 'recompute':
+        mode += f", kv_policy={args.kv_policy}" + (f" ({args.kv_slots} slots)" if args.kv_slots else "")
     print(f"sampling {args.num_samples} x {args.max_new_tokens} tokens, {mode}, trained with "
           f"n_loop={model.config.n_loop}, {device}")
-    loops = []
+    loops, stats, seconds = [], {}, 0.0
     with torch.no_grad(), ctx:
         for _ in range(args.num_samples):
+            t0 = time.perf_counter()
             y, used = generate(model, x, args.max_new_tokens, temperature=args.temperature,
                                top_k=args.top_k or None, n_loop=R, exit_threshold=args.exit_threshold,
-                               exit_policy=args.exit_policy)
-            print(decode(y[0].tolist()))
+                               exit_policy=args.exit_policy, kv_policy=args.kv_policy,
+                               kv_slots=args.kv_slots, draft_loops=k, speculate=gamma, stats=stats)
+            ids = y[0].tolist()  # (waits for the device)
+            seconds += time.perf_counter() - t0
+            print(decode(ids))
             print('---------------')
             loops.append(used.float().flatten())
-    if args.exit_threshold is not None and args.max_new_tokens > 0:
+    n = args.num_samples * args.max_new_tokens
+    if n == 0 or (args.exit_threshold is None and k is None and args.kv_policy == 'recompute'):
+        return  # plain fixed-depth decoding prints its samples only, the same for the same seed
+    line = f"{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
+    if args.exit_threshold is not None:
         # counts the generated tokens only (the prompt always runs all R loops)
         used = torch.cat(loops)
-        print(f"mean loops used per token: {used.mean().item():.2f} of {R} "
-              f"(min {used.min().item():.0f}, max {used.max().item():.0f}, {used.numel()} tokens)")
-
+        line = (f"mean loops used per token: {used.mean().item():.2f} of {R} (min {used.min().item():.0f}, "
+                f"max {used.max().item():.0f}, {used.numel()} tokens); " + line)
+    else:
+        line += f", {R} loops per token"
+    if k is not None and stats['checked']:
+        line += (f", {stats['accepted']} of {stats['checked']} drafts accepted "
+                 f"({stats['accepted'] / stats['checked']:.0%})")
+    print(line)
 
 if __name__ == '__main__':
     main()

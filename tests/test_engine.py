@@ -1,0 +1,309 @@
+"""engine.py: the KV-cache policies, the refill past the block size, self-speculative decoding."""
+import math
+
+import pytest
+import torch
+
+from engine import KV_POLICIES, KVCache, decode_step, generate, speculate_round
+from model import GPT, GPTConfig
+from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
+
+V, T = 48, 16
+
+
+def tiny(**kw):
+    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=4, n_head=2, n_embd=16)
+    base.update(kw)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**base)).eval()
+
+
+def prompts(B=3, n=4, seed=1):
+    return torch.randint(0, V, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- KV-cache policies
+
+def test_recompute_with_a_threshold_that_never_exits_is_fixed_depth_decoding():
+    m, x = tiny(), prompts()
+    fixed, _ = generate(m, x, 10, temperature=0)
+    never, used = generate(m, x, 10, temperature=0, exit_threshold=1.0)  # maxprob never reaches 1
+    assert torch.equal(never, fixed) and used.eq(4).all()
+
+
+@pytest.mark.parametrize('policy,kv_slots', [('recompute', None), ('copy', None), ('active', None),
+                                             ('shared', 4), ('shared', 6)])
+def test_every_policy_that_runs_all_loops_is_fixed_depth_decoding(policy, kv_slots):
+    # a threshold only the last exit reaches: every token runs R loops, nothing is skipped
+    m, x = tiny(), prompts()
+    fixed, _ = generate(m, x, 10, temperature=0)
+    out, used = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
+                         kv_policy=policy, kv_slots=kv_slots)
+    assert torch.equal(out, fixed) and used.eq(4).all()
+
+
+def test_shared_slots_fewer_than_loops_decode_as_their_own_fixed_depth():
+    # with kv_slots < R the cache itself is an approximation; exits that never fire change nothing more
+    m, x = tiny(), prompts()
+    fixed, _ = generate(m, x, 10, temperature=0, kv_policy='shared', kv_slots=2)
+    out, _ = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
+                      kv_policy='shared', kv_slots=2)
+    assert torch.equal(out, fixed)
+
+
+def test_shared_cache_memory_is_independent_of_R():
+    m = tiny()
+    nbytes = lambda R, policy, n=None: KVCache(m, 2, R, 'cpu', torch.float32, policy, n).nbytes()
+    assert len({nbytes(R, 'shared', 2) for R in (4, 8, 16)}) == 1
+    assert nbytes(16, 'recompute') == 4 * nbytes(4, 'recompute')             # the others grow with R
+    assert nbytes(4, 'shared', 4) == nbytes(4, 'recompute')
+
+
+def test_copy_fills_skipped_slots_with_the_exit_loops_keys_and_values():
+    m, x = tiny(), prompts(B=2)
+    R = 4
+    cache = KVCache(m, 2, R, 'cpu', torch.float32, 'copy')
+    decode_step(m, x, cache, 0, R)
+    _, used = decode_step(m, x[:, -1:], cache, 4, R, threshold=0.0)     # every row exits after loop 1
+    assert used.eq(1).all()
+    for j in range(m.config.n_layer):
+        first = cache.slot('loop', j, 1)
+        for k in range(2, R + 1):
+            slot = cache.slot('loop', j, k)
+            assert torch.equal(slot.k[:, :, 4], first.k[:, :, 4])
+            assert torch.equal(slot.v[:, :, 4], first.v[:, :, 4])
+
+
+@pytest.mark.parametrize('policy', ['copy', 'shared', 'active'])
+def test_batched_exits_under_each_policy_equal_decoding_each_row_alone(policy):
+    m, x = tiny(readout='raw'), prompts(B=4, seed=3)
+    with torch.no_grad():
+        h1 = m.states(x, n_loop=1)[0]
+        t = m.readout(h1, 1).softmax(-1).amax(-1).median().item()  # about half the tokens exit at loop 1
+    kw = dict(temperature=0, exit_threshold=t, kv_policy=policy, kv_slots=2)
+    both, used = generate(m, x, 8, **kw)
+    assert len(set(used[:, 1:].flatten().tolist())) > 1
+    for b in range(4):
+        alone, alone_used = generate(m, x[b:b + 1], 8, **kw)
+        assert torch.equal(alone[0], both[b]) and torch.equal(alone_used[0], used[b]), b
+
+
+def test_active_attention_sees_only_positions_that_reached_the_loop():
+    m, x = tiny(), prompts(B=1)
+    R = 4
+    cache = KVCache(m, 1, R, 'cpu', torch.float32, 'active')
+    decode_step(m, x, cache, 0, R)
+    decode_step(m, x[:, -1:], cache, 4, R, threshold=0.0)               # position 4 exits at loop 1
+    assert cache.slot('loop', 0, 1).reach[0, :5].all()
+    assert cache.slot('loop', 0, 2).reach[0, :5].tolist() == [True] * 4 + [False]
+    # the next token's loop 2 sees positions 0..3 and itself: 5 keys
+    seen, slot = [], cache.slot('loop', 1, 2)
+    update = slot.update
+
+    def watch(k, v, pos):
+        keys, values = update(k, v, pos)
+        seen.append(keys.size(2))
+        return keys, values
+
+    slot.update = watch
+    decode_step(m, x[:, :1], cache, 5, R)
+    assert seen == [5]
+
+
+def test_unknown_policy_and_bad_kv_slots_are_rejected():
+    m = tiny()
+    with pytest.raises(AssertionError, match='kv_policy'):
+        KVCache(m, 1, 4, 'cpu', torch.float32, 'latest')
+    with pytest.raises(AssertionError, match='kv_slots'):
+        KVCache(m, 1, 4, 'cpu', torch.float32, 'shared', 0)
+    assert set(KV_POLICIES) == {'recompute', 'copy', 'shared', 'active'}
+
+
+# ---------------------------------------------------------------- past the block size
+
+def cropped_by_hand(m, x, n_new, n_loop=None):
+    """Greedy decoding by full recompute, cropping the context as generate does: when the window holds
+    block_size tokens and a new one, it keeps its last block_size/2. Returns tokens and window starts."""
+    start, starts = max(0, x.size(1) - T), []
+    with torch.no_grad():
+        for _ in range(n_new):
+            if x.size(1) - start > T:
+                start = x.size(1) - T // 2
+            starts.append(start)
+            logits, _ = m(x[:, start:], n_loop=n_loop)
+            x = torch.cat((x, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return x, starts
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(pos='rope', n_prelude=1, n_coda=1, injection='add')])
+def test_cached_decoding_past_the_block_size_equals_recompute_on_the_same_window(kw):
+    m, x = tiny(**kw), prompts(B=2)
+    stats = {}
+    out, _ = generate(m, x, 60, temperature=0, stats=stats)
+    ref, starts = cropped_by_hand(m, x, 60)
+    assert torch.equal(out, ref)
+    # inside the first block the window is everything: plain uncached decoding, no crop
+    assert starts[T - 4] == 0 and starts[T - 4 + 1] == T // 2 + 1
+    assert torch.equal(generate(m, x, 60, temperature=0, use_cache=False)[0], out)
+    # 4 + 60 tokens: the first slide when 17 are there, then every T/2 + 1 = 9 tokens: ~2N/T refills
+    assert stats['refills'] == len(set(starts)) - 1 == 6
+
+
+def test_refills_come_every_half_block():
+    m, x = tiny(n_loop=1), prompts(B=1, n=T)  # a full first window: the first new token slides it
+    for n in (40, 80, 160):
+        stats = {}
+        generate(m, x, n, temperature=0, stats=stats)
+        # a window refilled with T/2 tokens slides again when it would hold T + 1: every T/2 + 1 tokens
+        assert stats['refills'] == math.ceil((n - 1) / (T // 2 + 1)), n
+        assert 0.8 * 2 * n / T <= stats['refills'] <= 2 * n / T
+
+
+# ---------------------------------------------------------------- self-speculative decoding
+
+@pytest.mark.parametrize('kw', [dict(), dict(pos='rope', n_prelude=1, n_coda=1, injection='concat',
+                                             inter_loop_norm='rmsnorm', readout='final_only')])
+def test_greedy_self_speculative_decoding_is_fixed_R_greedy_for_every_k_and_gamma(kw):
+    m, x = tiny(**kw), prompts(B=2)
+    if 'injection' in kw:
+        with torch.no_grad():  # an adapter that mixes e in: other tokens at other depths
+            m.transformer.adapter.weight.add_(0.5 * torch.randn_like(m.transformer.adapter.weight))
+    fixed, _ = generate(m, x, 30, temperature=0)  # 4 + 30 tokens: past the block size too
+    rates = []
+    for k in range(1, 4):
+        for gamma in range(1, 5):
+            stats = {}
+            out, used = generate(m, x, 30, temperature=0, draft_loops=k, speculate=gamma, stats=stats)
+            assert torch.equal(out, fixed), (k, gamma)
+            assert used.shape == (2, 30) and used.eq(4).all()
+            assert 0 <= stats['accepted'] <= stats['checked'] <= stats['drafted']
+            rates.append(stats['accepted'] / stats['checked'])
+    assert 0 < max(rates) and min(rates) < 1  # drafts are both kept and rejected
+
+
+def test_rejected_drafts_leave_nothing_stale_in_the_cache():
+    # after a round, every kept position's slots hold what fixed-R decoding writes there
+    m, x = tiny(n_coda=1), prompts(B=1, seed=2)
+    fixed_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
+    out, _ = generate(m, x, 12, temperature=0, draft_loops=1, speculate=4)
+    decode_step(m, out[:, :-1], fixed_cache, 0, 4)
+    spec_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
+    decode_step(m, x, spec_cache, 0, 4)
+    pos, stats = 4, dict(checked=0, accepted=0, drafted=0)
+    seq = out[:, :5]
+    while seq.size(1) < out.size(1):
+        gamma = min(4, out.size(1) - seq.size(1))
+        new = speculate_round(m, seq, spec_cache, pos, 4, 1, gamma, 0, None, stats)
+        seq = torch.cat((seq, new), dim=1)
+        pos += new.size(1)
+    assert torch.equal(seq, out) and stats['accepted'] < stats['checked']
+    n = out.size(1) - 1  # positions 0..n-1 have run
+    for part in ('prelude', 'loop', 'coda'):
+        for a, b in zip(spec_cache.slots[part], fixed_cache.slots[part]):
+            assert torch.allclose(a.k[:, :, :n], b.k[:, :, :n], atol=1e-6), part
+            assert torch.allclose(a.v[:, :, :n], b.v[:, :, :n], atol=1e-6), part
+
+
+def sharp(V=5, R=3):
+    """A tiny-vocabulary model whose loops disagree: exit 1's next-token distribution is far from exit R's."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_loop=R, n_head=2, n_embd=16, init='gpt2'))
+    with torch.no_grad():
+        for p in m.transformer.h.parameters():
+            p.mul_(30.0 if p.dim() == 2 else 1.0)
+        m.lm_head.weight.mul_(20.0)
+    return m.eval()
+
+
+def exact_pairs(m, x, n_loop):
+    """P(t2, t3) (V, V) of tokens 2 and 3 sampled after x at temperature 1, by enumeration."""
+    V = m.config.vocab_size
+    p = lambda seq: m(seq, n_loop=n_loop)[0][0, -1].softmax(-1)
+    out = torch.zeros(V, V)
+    with torch.no_grad():
+        p1 = p(x)
+        for t1 in range(V):
+            s1 = torch.cat((x, torch.tensor([[t1]])), 1)
+            p2 = p(s1)
+            for t2 in range(V):
+                out[t2] += p1[t1] * p2[t2] * p(torch.cat((s1, torch.tensor([[t2]])), 1))
+    return out
+
+
+def chi2(counts, expected):
+    """Pearson's statistic over cells expecting >= 5 (the rest pooled) and its 0.999 quantile."""
+    big = expected >= 5
+    obs = torch.cat((counts[big], counts[~big].sum()[None]))
+    exp = torch.cat((expected[big], expected[~big].sum()[None]))
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    df = int(keep.sum()) - 1
+    z = 3.09  # Wilson-Hilferty: the chi-square quantile from the normal one
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize('k,gamma,batch', [(1, 2, False), (2, 3, False), (1, 2, True)])
+def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch):
+    m, x = sharp(), torch.tensor([[0, 1, 2, 3]])
+    target, draft = exact_pairs(m, x, 3), exact_pairs(m, x, k)
+    N = 1500
+    stats = {}
+    if batch:  # rows in one batch (a round keeps tokens up to the first row's rejection)
+        torch.manual_seed(0)
+        out, _ = generate(m, x.expand(N, -1), 3, temperature=1.0, draft_loops=k, speculate=gamma,
+                          stats=stats)
+    else:      # one sequence per seed: later drafts are accepted too
+        runs = []
+        for seed in range(N):
+            torch.manual_seed(seed)
+            runs.append(generate(m, x, 3, temperature=1.0, draft_loops=k, speculate=gamma, stats=stats)[0])
+        out = torch.cat(runs)
+    counts = torch.zeros(5, 5)
+    counts.index_put_((out[:, 5], out[:, 6]), torch.ones(N), accumulate=True)
+    stat, bound = chi2(counts.flatten(), N * target.flatten())
+    assert stat < bound, (stat, bound)
+    # the test can tell: the drafts alone are far from it (and some are rejected)
+    assert chi2(N * draft.flatten(), N * target.flatten())[0] > 3 * bound
+    assert 0 < stats['accepted'] < stats['checked']
+
+
+# ---------------------------------------------------------------- sample.py
+
+def test_sample_reports_tokens_per_second_loops_and_acceptance(tiny_data, tiny_ckpt, monkeypatch):
+    import re
+    monkeypatch.chdir(tiny_data.parent.parent)
+    base = [f'--out_dir={tiny_ckpt}', '--num_samples=2', '--max_new_tokens=12', '--device=cpu',
+            '--temperature=0', '--n_loop=3']
+    code, fixed, err = run_main(base)
+    assert code == 0 and 'tokens/s' not in fixed, err  # plain decoding: the samples only
+    code, spec, err = run_main(base + ['--draft_loops=1', '--speculate=3'])
+    assert code == 0, err
+    m = re.search(r'3 loops per token, (\d+) of (\d+) drafts accepted \((\d+)%\)', spec)
+    assert m and int(m.group(1)) <= int(m.group(2))
+    assert re.search(r'24 tokens in [\d.]+ s \([\d.]+ tokens/s\), 3 loops per token', spec)
+    texts = lambda out: out[out.index('\n', out.index('sampling ')) + 1:].split('---------------\n')[:-1]
+    assert len(texts(spec)) == 2 and texts(spec) == texts(fixed)            # greedy: the same text
+    for policy in ('copy', 'shared', 'active'):
+        slots = ['--kv_slots=2'] if policy == 'shared' else []
+        code, out, err = run_main(base + ['--exit_threshold=0.5', f'--kv_policy={policy}', *slots])
+        assert code == 0 and 'mean loops used per token' in out and 'tokens/s' in out, err
+
+
+@pytest.mark.parametrize('args,says', [
+    (['--kv_policy=latest'], "invalid choice: 'latest'"),
+    (['--kv_policy=shared', '--kv_slots=0'], '--kv_slots=0: must be >= 1'),
+    (['--kv_policy=shared'], '--kv_policy=shared needs --kv_slots=N'),
+    (['--kv_policy=shared', '--kv_slots=3'], 'at most 2 slots'),
+    (['--kv_slots=2'], 'add it, or drop --kv_slots'),
+    (['--kv_policy=copy'], 'add --exit_threshold'),
+    (['--draft_loops=2'], 'fewer loops than the 2'),
+    (['--draft_loops=1', '--speculate=0'], '--speculate=0: must be >= 1'),
+    (['--speculate=2'], 'add --draft_loops'),
+    (['--draft_loops=1', '--exit_threshold=0.5'], 'drop --exit_threshold'),
+    (['--draft_loops=1', '--kv_policy=shared', '--kv_slots=1'], 'drop --kv_policy=shared'),
+])
+def test_bad_decoding_flags_are_one_line_errors(tiny_data, tiny_ckpt, monkeypatch, args, says):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    code, _, err = run_main([f'--out_dir={tiny_ckpt}', '--max_new_tokens=4', '--device=cpu', *args])
+    assert code not in (0, None) and err.startswith('error: ') and err.count('\n') == 1, err
+    assert says in err, err
