@@ -3,7 +3,8 @@ Is looping free? Measure it, side by side in one run, and print one table of rat
 but every number here is a ratio of two things timed in the same process, interleaved, medians over repeats,
 warm-up excluded).
 
-    python lab/bench.py                               # CPU, a few minutes; writes bench.json
+    python lab/bench.py                               # CPU: ~5 min on a 2-core laptop; writes bench.json
+    python lab/bench.py --only=untied_vs_looped,peak_memory,step_time,vs_plain   # quick: rows 1-3 and 8
     python lab/bench.py --size=tiny                   # seconds: every row at toy sizes (what the tests run)
     python lab/bench.py --compile                     # also time torch.compile (minutes on a CPU)
     python lab/bench.py --threads=1 --timer=process   # on a busy machine: CPU seconds, not wall time
@@ -26,6 +27,9 @@ Rows and their targets:
  10 MFU by dtype  the default model's step against the ceiling of the dtype it runs in              >= 60%
  11 attention     the default model's step with every attention path, per dtype: is 'auto' the fastest?
  12 profile       where the default step goes, per dtype: torch.profiler's self CPU time by op     report
+Each row is announced with the time so far and an ETA. On a CPU without bf16 units (hardware.cpu_bf16_units)
+bf16 is emulated, ~60x slower than fp32, so rows 6 and 8-12 run in fp32 only and row 9 is skipped (--bf16
+and the tiny size time bf16 anyway, marked as emulated; --no-bf16 leaves it out anywhere).
 A "training step" in rows 1-7 is forward + backward (the optimizer update is left out: it is per parameter,
 and a looped model has R times fewer parameters, which would flatter row 1); rows 8-12 time train.py's step
 as it runs (forward, backward, AdamW).
@@ -745,10 +749,11 @@ def row_profile(run):
     return {'profile': out}
 
 
-# rough seconds of each row at the cpu size on a 2-core laptop CPU, (fp32 part, bf16 part): the ETA's weights
-COST = {'untied_vs_looped': (10, 0), 'peak_memory': (30, 0), 'step_time': (10, 0), 'kv_cache': (30, 0),
-        'compile': (5, 0), 'mfu': (10, 5), 'vs_plain': (10, 10), 'bf16': (0, 0), 'mfu_dtype': (0, 0),
-        'attention': (15, 15), 'profile': (5, 5)}
+# seconds of each row at the cpu size on a 2-core laptop CPU, (fp32 part, bf16 part), from a run on a busy
+# 2-core Xeon (5m26s there, load ~4) halved: only the ETA's weights, which it scales by the rows so far
+COST = {'untied_vs_looped': (26, 0), 'peak_memory': (7, 0), 'step_time': (8, 0), 'kv_cache': (27, 0),
+        'compile': (3, 0), 'mfu': (1, 1), 'vs_plain': (3, 3), 'bf16': (0, 0), 'mfu_dtype': (0, 0),
+        'attention': (35, 35), 'profile': (8, 7)}
 COMPILE_COST = (120, 60)  # row 6 with --compile
 
 # (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model,
@@ -954,7 +959,7 @@ def bf16_plan(device, size, force=None):
     if device.type == 'cuda' or cpu_bf16_units():
         return DTYPES, None
     if force or size == 'tiny':
-        return DTYPES, 'bf16 is emulated on this CPU (no bf16 units): its bf16 numbers are slow and say little'
+        return DTYPES, 'bf16 is emulated on this CPU (no bf16 units): its bf16 numbers say little'
     return ('float32',), 'fp32 only: this CPU has no bf16 units, so bf16 is emulated (--bf16 times it anyway)'
 
 
@@ -1008,7 +1013,8 @@ def measure_all(run, res, out_path, only=()):
         if done:
             eta = f"about {duration(elapsed / done * (total - done))} left"
         else:  # nothing timed yet: COST itself, which is a 2-core laptop at the cpu size
-            eta = f"about {duration(total)} left on a 2-core laptop" if res['size'] == 'cpu' else 'ETA after it'
+            laptop = res['size'] == 'cpu'
+            eta = f"about {duration(total)} left on a 2-core laptop" if laptop else 'ETA after it'
         print(f"  [{i}/{len(rows)}] {name}: {duration(elapsed)} so far, {eta}", flush=True)
         try:
             res['rows'].update(measure(run))

@@ -87,8 +87,8 @@ def test_bench_with_bf16_units_keeps_both_dtypes(monkeypatch):
 
 def test_bench_fp32_only_run_announces_rows_and_writes_a_marked_table(no_bf16_units, tmp_path, capsys):
     only = 'vs_plain,bf16,mfu_dtype,attention,profile'
-    res = bench.main(['--size=tiny', '--device=cpu', '--no-compile', '--threads=1', '--repeats=1', '--no-bf16',
-                      f'--only={only}', f'--out={tmp_path / "bench.json"}'])
+    res = bench.main(['--size=tiny', '--device=cpu', '--no-compile', '--threads=1', '--repeats=1',
+                      '--no-bf16', f'--only={only}', f'--out={tmp_path / "bench.json"}'])
     out = capsys.readouterr().out
     for i, name in enumerate(only.split(','), start=1):
         assert f'[{i}/5] {name}: ' in out and ' so far, ' in out
