@@ -844,10 +844,10 @@ def cells_plain(row):
 
 
 def cells_bf16(row):
+    units = row['bf16_units'] or 'no bf16 units'
     if row.get('skipped'):
-        return [('train step speed bf16 / fp32 (no bf16 units)', 'skipped', 'report', None),
-                f"({row['skipped']})"]
-    return [(f"train step speed bf16 / fp32 ({row['bf16_units'] or 'no bf16 units'})",
+        return [(f"train step speed bf16 / fp32 ({units})", 'skipped', 'report', None), f"({row['skipped']})"]
+    return [(f"train step speed bf16 / fp32 ({units})",
              f"{row['ratio']:.2f}x (plain {row['plain_ratio']:.2f}x)", row['target'], row['met'])]
 
 

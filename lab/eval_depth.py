@@ -26,8 +26,8 @@ On n_seqs validation windows of the training context length it reports, on stdou
   visit alignment  kappa_R of every shared matrix: how far the R visits' gradients point the same way
                    (docs/papers.md §2)
 The last three are diagnostics.py's, which train.py imports too.
-How long: train.py's default model (K 2, R 4, d 128, 64 tokens) on 2 busy cores takes ~2 s per window at
-the default 512 windows (several minutes); the quick look above takes well under a minute.
+How long: on train.py's default model (K 2, R 4, d 128, 64 tokens) the default 512 windows took 2-8 minutes
+on busy 2-core CPUs, most of it in the 4R fixed-depth exits and the timed passes; the quick look: seconds.
 """
 import argparse
 import json
