@@ -3,7 +3,7 @@ Is looping free? Measure it, side by side in one run, and print one table of rat
 but every number here is a ratio of two things timed in the same process, interleaved, medians over repeats,
 warm-up excluded).
 
-    python lab/bench.py                               # CPU: ~5 min on a 2-core laptop; writes bench.json
+    python lab/bench.py                               # CPU: 5.5 min on a busy 2-core CPU; writes bench.json
     python lab/bench.py --only=untied_vs_looped,peak_memory,step_time,vs_plain   # quick: rows 1-3 and 8
     python lab/bench.py --size=tiny                   # seconds: every row at toy sizes (what the tests run)
     python lab/bench.py --compile                     # also time torch.compile (minutes on a CPU)
