@@ -3,7 +3,8 @@ Is looping free? Measure it, side by side in one run, and print one table of rat
 but every number here is a ratio of two things timed in the same process, interleaved, medians over repeats,
 warm-up excluded).
 
-    python lab/bench.py                               # CPU, a few minutes; writes bench.json
+    python lab/bench.py                               # CPU: 5.5 min on a busy 2-core CPU; writes bench.json
+    python lab/bench.py --only=untied_vs_looped,peak_memory,step_time,vs_plain   # quick: rows 1-3 and 8
     python lab/bench.py --size=tiny                   # seconds: every row at toy sizes (what the tests run)
     python lab/bench.py --compile                     # also time torch.compile (minutes on a CPU)
     python lab/bench.py --threads=1 --timer=process   # on a busy machine: CPU seconds, not wall time
@@ -26,6 +27,9 @@ Rows and their targets:
  10 MFU by dtype  the default model's step against the ceiling of the dtype it runs in              >= 60%
  11 attention     the default model's step with every attention path, per dtype: is 'auto' the fastest?
  12 profile       where the default step goes, per dtype: torch.profiler's self CPU time by op     report
+Each row is announced with the time so far and an ETA. On a CPU without bf16 units (hardware.cpu_bf16_units)
+bf16 is emulated, ~60x slower than fp32, so rows 6 and 8-12 run in fp32 only and row 9 is skipped (--bf16
+and the tiny size time bf16 anyway, marked as emulated; --no-bf16 leaves it out anywhere).
 A "training step" in rows 1-7 is forward + backward (the optimizer update is left out: it is per parameter,
 and a looped model has R times fewer parameters, which would flatter row 1); rows 8-12 time train.py's step
 as it runs (forward, backward, AdamW).
@@ -52,7 +56,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
-from errors import Parser, die
+from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, peak_flops
 from engine import exit_score, generate
 from model import GPT, GPTConfig, LinearCrossEntropy
@@ -85,6 +89,9 @@ SIZES = {
         matmul=(4096, 8192), repeats=10, warmup=3, decode_repeats=3, block_steps=3),
 }
 
+DTYPES = ('float32', 'bfloat16')  # what rows 6 and 8-12 time, where the machine runs bf16 usefully
+SHORT = {'float32': 'fp32', 'bfloat16': 'bf16'}
+
 
 @dataclass
 class Run:
@@ -94,6 +101,8 @@ class Run:
     warmup: int               # untimed calls before the timed ones
     repeats: int              # timed calls per measurement
     compile: bool             # row 6: time torch.compile (the graph-break count runs either way)
+    dtypes: tuple = DTYPES    # rows 6 and 8-12: fp32 only on a CPU without bf16 units (see bf16_plan)
+    bf16_note: str = None     # why bf16 is left out, or that it is emulated (the table says it)
     looped: GPT = None        # row 1's looped model, its batch and its step time: re-used by rows 6 and 7
     batch: tuple = None
     looped_s: float = None
@@ -221,8 +230,8 @@ def ceilings(run):
     """The matmul ceiling of each dtype: the best FLOP/s over the size's matmul sizes and repeats."""
     if run.ceilings is None:
         run.ceilings = {}
-        for name, dtype in (('float32', torch.float32), ('bfloat16', torch.bfloat16)):
-            by_size = {n: matmul_ceiling(run.device, n, run.warmup, run.repeats, dtype)
+        for name in run.dtypes:
+            by_size = {n: matmul_ceiling(run.device, n, run.warmup, run.repeats, getattr(torch, name))
                        for n in run.size['matmul']}
             n = max(by_size, key=by_size.get)
             run.ceilings[name] = dict(flops=by_size[n], n=n, by_size={str(k): v for k, v in by_size.items()})
@@ -485,7 +494,7 @@ def compile_default(run):
     compilation has paid for itself. The plain model of row 8 is compiled too: does nanoloop's lead over
     it survive compilation, which fuses the small ops that the lead comes from?"""
     out = {}
-    for dtype in DTYPES:
+    for dtype in run.dtypes:
         torch._dynamo.reset()
         model, opt, (X, Y) = default_model(run)
         plain, plain_opt = plain_model(model, run.device)
@@ -602,10 +611,6 @@ class PlainLoopedGPT(nn.Module):
         return logits, loss / self.n_loop
 
 
-DTYPES = ('float32', 'bfloat16')
-SHORT = {'float32': 'fp32', 'bfloat16': 'bf16'}
-
-
 def optimizer_steps(model, opt, X, Y, device, dtype, steps):
     """`steps` training steps as train.py runs them: forward under the dtype's autocast, backward, AdamW."""
     def block():
@@ -640,18 +645,19 @@ def row_plain(run):
     plain, plain_opt = plain_model(model, run.device)
     n = run.size['block_steps']
     steps = {}
-    for dtype in DTYPES:
+    for dtype in run.dtypes:
         steps[f'nanoloop_{dtype}'] = optimizer_steps(model, opt, X, Y, run.device, dtype, n)
         steps[f'plain_{dtype}'] = optimizer_steps(plain, plain_opt, X, Y, run.device, dtype, n)
     t = {k: v / n for k, v in side_by_side(steps, run.device, run.warmup, run.repeats).items()}
     run.default_s = t
-    out = dict(target='>= 1.2 (fp32 and bf16)', steps_per_timing=n, config=dict(run.size['default']),
+    out = dict(target=f">= 1.2 ({' and '.join(SHORT[d] for d in run.dtypes)})", steps_per_timing=n,
+               config=dict(run.size['default']), dtypes=list(run.dtypes),
                params=model.get_num_params(False), plain_params=sum(p.numel() for p in plain.parameters()))
-    for dtype in DTYPES:
+    for dtype in run.dtypes:
         out[f'ratio_{dtype}'] = t[f'plain_{dtype}'] / t[f'nanoloop_{dtype}']
         out[f'nanoloop_tok_s_{dtype}'] = X.numel() / t[f'nanoloop_{dtype}']
         out[f'plain_tok_s_{dtype}'] = X.numel() / t[f'plain_{dtype}']
-    out['ratio'] = min(out[f'ratio_{dtype}'] for dtype in DTYPES)
+    out['ratio'] = min(out[f'ratio_{dtype}'] for dtype in run.dtypes)
     out['met'] = out['ratio'] >= 1.2
     return {'vs_plain': out}
 
@@ -663,8 +669,11 @@ def default_times(run):
 
 
 def row_bf16(run):
-    t = default_times(run)
     units = cpu_bf16_units() if run.device.type == 'cpu' else run.device.type
+    if 'bfloat16' not in run.dtypes:
+        return {'bf16': dict(skipped=run.bf16_note, bf16_units=units,
+                             target='>= 1.7 with bf16 units', met=None)}
+    t = default_times(run)
     ratio = t['nanoloop_float32'] / t['nanoloop_bfloat16']
     return {'bf16': dict(ratio=ratio, plain_ratio=t['plain_float32'] / t['plain_bfloat16'], bf16_units=units,
                          target='>= 1.7 with bf16 units', met=ratio >= 1.7 if units else None)}
@@ -676,8 +685,9 @@ def row_mfu_dtype(run):
     flops = build(torch.device('cpu'), **spec).flops_per_token(spec['block_size'])
     flops *= spec['batch_size'] * spec['block_size']  # one step's forward + backward
     best = ceilings(run)
-    out = dict(model_flops_per_step=flops, ceilings=best, target='>= 60% in the dtype of auto')
-    for dtype in DTYPES:
+    out = dict(model_flops_per_step=flops, ceilings=best, target='>= 60% in the dtype of auto',
+               dtypes=list(run.dtypes))
+    for dtype in run.dtypes:
         out[f'mfu_{dtype}'] = flops / t[f'nanoloop_{dtype}'] / best[dtype]['flops']
         out[f'plain_mfu_{dtype}'] = flops / t[f'plain_{dtype}'] / best[dtype]['flops']
         if run.default_compiled_s:  # row 6 compiled the default run (--compile on a CPU)
@@ -696,16 +706,17 @@ def row_attention(run):
     for impl in ('sdpa', 'math', 'explicit'):
         model, opt, _ = default_model(run, attn_impl=impl)
         model.load_state_dict(base.state_dict())
-        for dtype in DTYPES:
+        for dtype in run.dtypes:
             steps[f'{impl}_{dtype}'] = optimizer_steps(model, opt, X, Y, run.device, dtype, n)
     t = {k: v / n for k, v in side_by_side(steps, run.device, run.warmup, run.repeats).items()}
-    out = dict(step_s=t, target="auto <= 1.05x the fastest", config=dict(run.size['default']))
-    for dtype in DTYPES:
+    out = dict(step_s=t, target="auto <= 1.05x the fastest", config=dict(run.size['default']),
+               dtypes=list(run.dtypes))
+    for dtype in run.dtypes:
         times = {impl: t[f'{impl}_{dtype}'] for impl in ('sdpa', 'math', 'explicit')}
         out[f'auto_{dtype}'] = attention_path('auto', run.device.type, getattr(torch, dtype), T)
         out[f'fastest_{dtype}'] = min(times, key=times.get)
         out[f'auto_vs_fastest_{dtype}'] = times[out[f'auto_{dtype}']] / times[out[f'fastest_{dtype}']]
-    out['met'] = all(out[f'auto_vs_fastest_{dtype}'] <= 1.05 for dtype in DTYPES)
+    out['met'] = all(out[f'auto_vs_fastest_{dtype}'] <= 1.05 for dtype in run.dtypes)
     return {'attention': out}
 
 
@@ -719,8 +730,8 @@ def row_profile(run):
     if run.device.type != 'cpu':
         return {'profile': dict(target='report', skipped='CPU only (CPU-side op times say little on a GPU)')}
     from torch.profiler import ProfilerActivity, profile
-    out = dict(target='report', config=dict(run.size['default']))
-    for dtype in DTYPES:
+    out = dict(target='report', config=dict(run.size['default']), dtypes=list(run.dtypes))
+    for dtype in run.dtypes:
         model, opt, (X, Y) = default_model(run)
         step = optimizer_steps(model, opt, X, Y, run.device, dtype, 1)
         for _ in range(run.warmup + 1):
@@ -738,6 +749,13 @@ def row_profile(run):
     return {'profile': out}
 
 
+# seconds of each row at the cpu size on a 2-core laptop CPU, (fp32 part, bf16 part), from a run on a busy
+# 2-core Xeon (5m26s there, load ~4) halved: only the ETA's weights, which it scales by the rows so far
+COST = {'untied_vs_looped': (26, 0), 'peak_memory': (7, 0), 'step_time': (8, 0), 'kv_cache': (27, 0),
+        'compile': (3, 0), 'mfu': (1, 1), 'vs_plain': (3, 3), 'bf16': (0, 0), 'mfu_dtype': (0, 0),
+        'attention': (35, 35), 'profile': (8, 7)}
+COMPILE_COST = (120, 60)  # row 6 with --compile
+
 # (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model,
 # rows 9 and 10 row 8's step times
 MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), ('step_time', row_step_time),
@@ -748,6 +766,11 @@ MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), (
 
 # -----------------------------------------------------------------------------
 # the table: per row, its cells (measurement, value, target, met) and any note lines under it
+
+def dtypes(row):
+    """The dtypes a per-dtype row was measured in (a JSON from before the bf16 plan: both)."""
+    return row.get('dtypes', DTYPES)
+
 
 def cells_untied(row):
     c = row['config']
@@ -817,11 +840,14 @@ def cells_plain(row):
     tok = lambda who, d: f"{row[f'{who}_tok_s_{d}']:,.0f}"
     return [(f"train tok/s nanoloop / plain, {SHORT[d]}, AdamW included",
              f"{row[f'ratio_{d}']:.2f} ({tok('nanoloop', d)}/{tok('plain', d)})",
-             row['target'] if i == 0 else '', row[f'ratio_{d}'] >= 1.2) for i, d in enumerate(DTYPES)]
+             row['target'] if i == 0 else '', row[f'ratio_{d}'] >= 1.2) for i, d in enumerate(dtypes(row))]
 
 
 def cells_bf16(row):
-    return [(f"train step speed bf16 / fp32 ({row['bf16_units'] or 'no bf16 units'})",
+    units = row['bf16_units'] or 'no bf16 units'
+    if row.get('skipped'):
+        return [(f"train step speed bf16 / fp32 ({units})", 'skipped', 'report', None), f"({row['skipped']})"]
+    return [(f"train step speed bf16 / fp32 ({units})",
              f"{row['ratio']:.2f}x (plain {row['plain_ratio']:.2f}x)", row['target'], row['met'])]
 
 
@@ -830,13 +856,13 @@ def cells_mfu_dtype(row):
              f"{row[f'mfu_{d}'] * 100:.1f}% (plain {row[f'plain_mfu_{d}'] * 100:.1f}%)"
              + (f"; compiled {row[f'compiled_mfu_{d}'] * 100:.1f}%" if f'compiled_mfu_{d}' in row else ''),
              '>= 60%' + (' (the dtype of auto)' if d == row['auto_dtype'] else ''),
-             row['met'] if d == row['auto_dtype'] else None) for d in DTYPES]
+             row['met'] if d == row['auto_dtype'] else None) for d in dtypes(row)]
 
 
 def cells_attention(row):
     return [(f"attention, {SHORT[d]}: auto = {row[f'auto_{d}']}, fastest = {row[f'fastest_{d}']}",
              f"{row[f'auto_vs_fastest_{d}']:.2f}x the fastest", row['target'] if i == 0 else '',
-             row[f'auto_vs_fastest_{d}'] <= 1.05) for i, d in enumerate(DTYPES)]
+             row[f'auto_vs_fastest_{d}'] <= 1.05) for i, d in enumerate(dtypes(row))]
 
 
 def cells_profile(row):
@@ -845,7 +871,7 @@ def cells_profile(row):
     short = lambda op: op.replace('aten::', '')
     return [(f"{SHORT[d]} step, profiled: {row[d]['step_ms']:.0f} ms in {row[d]['ops_per_step']:,} ops",
              ', '.join(f"{short(o['op'])} {o['share'] * 100:.0f}%" for o in row[d]['top'][:3]),
-             'report', None) for d in DTYPES]
+             'report', None) for d in dtypes(row)]
 
 
 TABLE = (('untied_vs_looped', cells_untied), ('peak_memory', cells_memory), ('step_time', cells_step_time),
@@ -864,6 +890,8 @@ def fmt_table(res):
     lines = [f"nanoloop bench ({res['size']}), {where(m)}, torch {m['torch']}, {res['timer']} clock, "
              f"{m['date']}",
              f"{'#':<2} {'measurement':<52} {'value':>26}  {'target':<26} {'ok':<4}"]
+    if res.get('bf16_note'):
+        lines.insert(1, res['bf16_note'])
     note = ' ' * 5  # indent of a note under its row
     for i, (name, cells) in enumerate(TABLE, start=1):
         row = res['rows'].get(name)
@@ -889,6 +917,9 @@ def parse_args(argv):
     p.add_argument('--compile', default=None, action=argparse.BooleanOptionalAction,
                    help='time torch.compile vs eager (row 6; default: on cuda only, it takes minutes on a '
                         'CPU); the graph-break count runs either way')
+    p.add_argument('--bf16', default=None, action=argparse.BooleanOptionalAction,
+                   help='time bf16 too in rows 6 and 8-12 (default: where the device has bf16 units, and at '
+                        'the tiny size)')
     p.add_argument('--repeats', type=int, default=0, help="timed repeats per measurement (0 = the size's)")
     p.add_argument('--threads', type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument('--timer', default='wall', choices=('wall', 'process'),
@@ -918,6 +949,20 @@ def choose_device(name):
     return torch.device(name)
 
 
+def bf16_plan(device, size, force=None):
+    """(the dtypes of rows 6 and 8-12, a note or None). A CPU without bf16 units emulates a bf16 matmul,
+    ~60x slower than fp32 on a 2-core laptop (0.6-0.7 against 39-62 GFLOP/s): at the cpu size its bf16
+    rows would take most of an hour to say only that, so they are left out. The tiny size (toys, seconds)
+    and --bf16 run them anyway, marked as emulated; --no-bf16 leaves them out anywhere."""
+    if force is False:
+        return ('float32',), 'fp32 only (--no-bf16)'
+    if device.type == 'cuda' or cpu_bf16_units():
+        return DTYPES, None
+    if force or size == 'tiny':
+        return DTYPES, 'bf16 is emulated on this CPU (no bf16 units): its bf16 numbers say little'
+    return ('float32',), 'fp32 only: this CPU has no bf16 units, so bf16 is emulated (--bf16 times it anyway)'
+
+
 def setup(args):
     """The Run that args ask for; sets the clock and CUDA's matmul precision."""
     global CLOCK
@@ -934,7 +979,9 @@ def setup(args):
     size = SIZES[args.size]
     compile_too = device.type == 'cuda' if args.compile is None else args.compile
     repeats = args.repeats or size['repeats']
-    return Run(size, device, warmup=size['warmup'], repeats=repeats, compile=compile_too)
+    dtypes, note = bf16_plan(device, args.size, args.bf16)
+    return Run(size, device, warmup=size['warmup'], repeats=repeats, compile=compile_too, dtypes=dtypes,
+               bf16_note=note)
 
 
 def write_json(res, path):
@@ -942,24 +989,49 @@ def write_json(res, path):
         json.dump(res, out, indent=1)
 
 
-def measure_all(run, res, out_path, only=()):
-    """Every row in turn (or those in only); the JSON is written after each, so an interrupted run keeps what
-    it measured."""
-    t0 = time.perf_counter()
+def plan(run, only=()):
+    """The rows to measure, in order, as (name, measure, estimated seconds at the cpu size): every row of
+    MEASUREMENTS, or those in only."""
+    rows = []
     for name, measure in MEASUREMENTS:
         if only and name not in only:
             continue
+        fp32, bf16 = COMPILE_COST if name == 'compile' and run.compile else COST[name]
+        rows.append((name, measure, fp32 + (bf16 if 'bfloat16' in run.dtypes else 0)))
+    return rows
+
+
+def measure_all(run, res, out_path, only=()):
+    """Every row in turn (or those in only), each announced with the time so far and an ETA; the JSON is
+    written after each, so an interrupted run keeps what it measured. The ETA weighs the rows left by COST,
+    scaled by how fast the rows so far went against it."""
+    rows = plan(run, only)
+    total, done = sum(cost for *_, cost in rows), 0
+    t0 = time.perf_counter()
+    for i, (name, measure, cost) in enumerate(rows, start=1):
+        elapsed = time.perf_counter() - t0
+        if done:
+            eta = f"about {duration(elapsed / done * (total - done))} left"
+        else:  # nothing timed yet: COST itself, which is a 2-core laptop at the cpu size
+            laptop = res['size'] == 'cpu'
+            eta = f"about {duration(total)} left on a 2-core laptop" if laptop else 'ETA after it'
+        print(f"  [{i}/{len(rows)}] {name}: {duration(elapsed)} so far, {eta}", flush=True)
         try:
             res['rows'].update(measure(run))
         except Exception as e:  # one broken row should not cost the others: record it and go on
             res['rows'].setdefault(name, dict(error=f"{type(e).__name__}: {e}"[:500], met=False))
-        print(f"  {name} done ({time.perf_counter() - t0:.0f}s)", flush=True)
+        done += cost
         write_json(res, out_path)
     res['seconds'] = time.perf_counter() - t0
 
 
 def main(argv=None):
     args = parse_args(argv)
+    # flush denormals to zero, before torch's thread pool starts (its threads inherit the setting): an
+    # untrained head's softmax gradient at V = 50,257 (rows 2 and 3) is full of them, and they made its
+    # matmuls ~20x slower on an Intel CPU (a per-loop step 90 s instead of 4; rows 2 and 3 took over 20
+    # minutes on a busy 2-core one). Values below 1e-38 change no number here.
+    torch.set_flush_denormal(True)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mem_child is not None:  # row 2's child process: one measurement, printed as JSON
@@ -969,9 +1041,11 @@ def main(argv=None):
     run = setup(args)
     torch.manual_seed(1337)
     res = dict(machine=machine(run.device), size=args.size, repeats=run.repeats, warmup=run.warmup,
-               timer=args.timer, only=args.only, rows={}, samples=SAMPLES)
+               timer=args.timer, only=args.only, dtypes=list(run.dtypes), bf16_note=run.bf16_note, rows={},
+               samples=SAMPLES)
     print(f"bench: {where(res['machine'])}, torch {torch.__version__}, size {args.size}, {args.timer} clock, "
-          f"{run.repeats} repeats after {run.warmup} warm-up", flush=True)
+          f"{run.repeats} repeats after {run.warmup} warm-up; "
+          f"{run.bf16_note or ' and '.join(SHORT[d] for d in run.dtypes)}", flush=True)
     measure_all(run, res, args.out, args.only)
     res['table'] = fmt_table(res)
     print(res['table'])

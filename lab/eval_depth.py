@@ -4,6 +4,9 @@ Variable-depth diagnostics of a trained looped GPT: what does each loop buy, and
 
     python lab/eval_depth.py out-loop-rmsnorm              # a folder holding ckpt.pt (or the file itself)
     python lab/eval_depth.py out-loop-raw --n_seqs=1024 --json=raw_depth.json
+    python lab/eval_depth.py out-loop-raw --n_seqs=64 --n_grad_seqs=16 --timing_repeats=1   # quick look
+
+Each phase shows a progress bar with its ETA on stderr (--no-progress: none); the report goes to stdout.
 
 On n_seqs validation windows of the training context length it reports, on stdout and in a JSON file
 (default <out_dir>/eval_depth.json):
@@ -23,7 +26,10 @@ On n_seqs validation windows of the training context length it reports, on stdou
   visit alignment  kappa_R of every shared matrix: how far the R visits' gradients point the same way
                    (docs/papers.md §2)
 The last three are diagnostics.py's, which train.py imports too.
+How long: on train.py's default model (K 2, R 4, d 128, 64 tokens) the default 512 windows took 2-8 minutes
+on busy 2-core CPUs, most of it in the 4R fixed-depth exits and the timed passes; the quick look: seconds.
 """
+import argparse
 import json
 import math
 import os
@@ -59,10 +65,10 @@ def policies(model):
 
 
 @torch.no_grad()
-def exit_stats(model, X, Y, n_loop, batch_size, clamp='none'):
+def exit_stats(model, X, Y, n_loop, batch_size, clamp='none', bar=None):
     """Run every window through n_loop loops. Returns ce (N, n_loop) per-sequence CE at every exit,
     scores {policy: (N, n_loop)} per-sequence mean exit score (engine.ExitScorer; 'kl' is -inf at exit 1),
-    norms (n_loop,) mean per-token ||h_k||."""
+    norms (n_loop,) mean per-token ||h_k||. bar: a progress bar, advanced once per batch."""
     ce, norms, scores = [], [], {p: [] for p in policies(model)}
     for i in range(0, X.size(0), batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
@@ -79,6 +85,8 @@ def exit_stats(model, X, Y, n_loop, batch_size, clamp='none'):
         for p in scores:
             scores[p].append(torch.stack(s[p], 1))
         norms.append(torch.stack([h.float().norm(dim=-1).sum() for h in states]))
+        if bar is not None:
+            bar.update()
     n_tok = X.numel()
     return (torch.cat(ce).double().cpu(), {p: torch.cat(v).double().cpu() for p, v in scores.items()},
             (torch.stack(norms).sum(0) / n_tok).cpu())
@@ -165,9 +173,12 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
     return ce_sum, loops_sum
 
 
-def timed_pass(model, X, Y, batch_size, threshold, policy, repeats):
-    """Best-of-repeats wall time of depth_pass (after one warm-up), and its (PPL, average loops)."""
+def timed_pass(model, X, Y, batch_size, threshold, policy, repeats, bar=None):
+    """Best-of-repeats wall time of depth_pass (after one warm-up), and its (PPL, average loops).
+    bar: a progress bar, advanced after every pass (outside the timed part)."""
+    tick = bar.update if bar is not None else lambda: None
     ce_sum, loops_sum = depth_pass(model, X, Y, batch_size, threshold, policy)  # warm-up
+    tick()
     best = math.inf
     for _ in range(repeats):
         sync(X.device)
@@ -175,6 +186,7 @@ def timed_pass(model, X, Y, batch_size, threshold, policy, repeats):
         depth_pass(model, X, Y, batch_size, threshold, policy)
         sync(X.device)
         best = min(best, time.perf_counter() - t0)
+        tick()
     N = X.size(0)
     return dict(seconds=best, tok_per_s=X.numel() / best, ppl=math.exp(ce_sum / N), avg_loops=loops_sum / N)
 
@@ -219,46 +231,84 @@ def calibrated_halting(ce, scores, tol, policy):
     return out
 
 
-def throughput(model, X, Y, batch_size, threshold, policy, repeats):
+def throughput(model, X, Y, batch_size, threshold, policy, repeats, bar=None):
     """Real dynamic-depth batching at the calibrated threshold against fixed depth, timed on (X, Y).
-    A threshold of inf lets nobody exit early: its readouts still cost."""
-    fixed = timed_pass(model, X, Y, batch_size, None, policy, repeats)
-    dyn = timed_pass(model, X, Y, batch_size, threshold, policy, repeats)
+    A threshold of inf lets nobody exit early: its readouts still cost. bar: advanced after every pass."""
+    fixed = timed_pass(model, X, Y, batch_size, None, policy, repeats, bar)
+    dyn = timed_pass(model, X, Y, batch_size, threshold, policy, repeats, bar)
     return dict(policy=policy, threshold=threshold, batch_size=batch_size, fixed=fixed, dynamic=dyn,
                 speedup=dyn['tok_per_s'] / fixed['tok_per_s'], device=str(X.device),
                 threads=torch.get_num_threads() if X.device.type == 'cpu' else None)
 
 
+PHASES = 8  # progress bars in evaluate()
+
+
+def progress_bar(desc, total, unit='batch', show=True):
+    """One phase's progress bar on stderr with its ETA (tqdm); stdout keeps the report."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, disable=not show, file=sys.stderr, mininterval=1.0,
+                dynamic_ncols=True)
+
+
+def grad_fractions(model, X, Y, batch_size, bar):
+    """diagnostics.radial_gradient on (X, Y), one batch at a time so that the bar moves: the same sums in
+    the same order, the same numbers."""
+    R = model.config.n_loop
+    readout, total, n = np.zeros(R), np.zeros(R), 0
+    for i in range(0, X.size(0), batch_size):
+        rf, tf = radial_gradient(model, X[i:i + batch_size], Y[i:i + batch_size], batch_size)
+        readout, total, n = readout + rf, total + tf, n + 1
+        bar.update()
+    return (readout / n).tolist(), (total / n).tolist()
+
+
 @torch.no_grad()
 def evaluate(model, X, Y, batch_size=16, tol=1.01, policy='margin', n_grad_seqs=64, timing_repeats=3,
-             quantiles=tuple(i / 20 for i in range(21)), exits=0):
+             quantiles=tuple(i / 20 for i in range(21)), exits=0, progress=False):
     """Every diagnostic of this file on the windows (X, Y); returns a JSON-able dict. exits: fixed-depth
-    exits 1..exits (0: 4R, at least R)."""
+    exits 1..exits (0: 4R, at least R). progress: a bar per phase on stderr."""
     model.eval()
     R = model.config.n_loop
     n_exits = max(exits or 4 * R, R)
-    ce, scores, norms = exit_stats(model, X, Y, n_exits, batch_size)  # exits 1..n_exits
+    batches = lambda n: math.ceil(n / batch_size)
+    phase = iter(range(1, PHASES + 1))
+    bar = lambda desc, total, unit='batch': progress_bar(f"[{next(phase)}/{PHASES}] {desc}", total, unit,
+                                                         progress)
+    with bar(f'fixed-depth exits 1..{n_exits}', batches(X.size(0))) as b:
+        ce, scores, norms = exit_stats(model, X, Y, n_exits, batch_size, bar=b)  # exits 1..n_exits
     res = dict(n_loop=R, n_seqs=X.size(0), seq_len=X.size(1))
     res['fixed'] = dict(exit=list(range(1, n_exits + 1)), ce=ce.mean(0).tolist(), ppl=[ppl(c) for c in ce.T],
                         norm=norms.tolist())
     # docs/papers.md §1: the PPL change from exit 1 to exit R; negative means the extra loops help
     res['dppl_1_to_R'] = res['fixed']['ppl'][R - 1] - res['fixed']['ppl'][0]
     ce, scores = ce[:, :R], {p: s[:, :R] for p, s in scores.items()}  # adaptive exit works within 1..R
-    res['adaptive'] = adaptive_curves(ce, scores, quantiles) if R > 1 else {}
-    res['calibrated'] = calibrated_halting(ce, scores, tol, policy)
+    with bar('adaptive curves', 1, 'step') as b:
+        res['adaptive'] = adaptive_curves(ce, scores, quantiles) if R > 1 else {}
+        b.update()
+    with bar('calibrated halting', 1, 'step') as b:
+        res['calibrated'] = calibrated_halting(ce, scores, tol, policy)
+        b.update()
     held = torch.arange(1, X.size(0), 2)
     threshold = res['calibrated'][policy]['threshold']
-    res['throughput'] = throughput(model, X[held], Y[held], batch_size, threshold, policy, timing_repeats)
+    with bar('timed passes, fixed and dynamic depth', 2 * (1 + timing_repeats), 'pass') as b:
+        res['throughput'] = throughput(model, X[held], Y[held], batch_size, threshold, policy, timing_repeats,
+                                       b)
     # radial clamp at inference: CE at every exit 1..R with each clamp, and the change against none
     res['clamp'] = {}
     for c in ('radial', 'freeze'):
-        cc, _, cnorms = exit_stats(model, X, Y, R, batch_size, clamp=c)
+        with bar(f'{c} clamp at inference', batches(X.size(0))) as b:
+            cc, _, cnorms = exit_stats(model, X, Y, R, batch_size, clamp=c, bar=b)
         res['clamp'][c] = dict(ce=cc.mean(0).tolist(), dce=(cc.mean(0) - ce.mean(0)).tolist(),
                                norm=cnorms.tolist())
     # radial gradient fraction and visit alignment on the first n_grad_seqs windows
-    rf, tf = radial_gradient(model, X[:n_grad_seqs], Y[:n_grad_seqs], batch_size)
+    Xg, Yg = X[:n_grad_seqs], Y[:n_grad_seqs]
+    with bar('radial gradient fraction', batches(Xg.size(0))) as b:
+        rf, tf = grad_fractions(model, Xg, Yg, batch_size, b)
     res['radial_frac'] = dict(readout=rf, total=tf)
-    res['kappa'] = visit_alignment(model, X[:n_grad_seqs], Y[:n_grad_seqs])
+    with bar('visit alignment', 1, 'step') as b:
+        res['kappa'] = visit_alignment(model, Xg, Yg)
+        b.update()
     return res
 
 
@@ -339,6 +389,8 @@ def main(argv=None):
     ap.add_argument('--exits', type=int, default=0, help='fixed-depth exits 1..this (0: 4R)')
     ap.add_argument('--device', default='auto', help='auto | cpu | cuda | cuda:N')
     ap.add_argument('--json', default=None, help='output file; default <out_dir>/eval_depth.json')
+    ap.add_argument('--progress', default=True, action=argparse.BooleanOptionalAction,
+                    help='a progress bar with its ETA per phase on stderr')
     args = ap.parse_args(argv)
     if args.exits < 0:
         die(f"--exits={args.exits}: must be >= 0 (0 = 4R)")
@@ -360,9 +412,12 @@ def main(argv=None):
     if T > cfg.block_size:
         die(f"--seq_len={T} is longer than the model's block_size {cfg.block_size}")
     X, Y = val_windows(data_dir, meta, T, args.n_seqs)
+    if args.progress:
+        print(f"eval_depth: {ckpt_path}, {X.size(0)} windows x {T} tokens on {device}"
+              + (f", {torch.get_num_threads()} threads" if device == 'cpu' else ''), file=sys.stderr)
     t0 = time.time()
     res = evaluate(model, X.to(device), Y.to(device), args.batch_size, args.tol, args.policy,
-                   args.n_grad_seqs, args.timing_repeats, exits=args.exits)
+                   args.n_grad_seqs, args.timing_repeats, exits=args.exits, progress=args.progress)
     res.update(checkpoint=ckpt_path, iter_num=ckpt.get('iter_num'), dataset=ckpt.get('dataset'),
                model_args=ckpt['model_args'], seconds=round(time.time() - t0, 2))
     print_report(res, f"eval_depth: {ckpt_path} (iter {ckpt.get('iter_num')}; {cfg.supervision} supervision, "
