@@ -39,7 +39,7 @@ import configurator
 import ops
 from diagnostics import visit_alignment
 from errors import die, duration
-from hardware import auto_dtype
+from hardware import auto_dtype, flush_denormals
 from model import GPT, GPTConfig
 from prepare import open_data
 
@@ -104,6 +104,7 @@ model_args = {k: config[k] for k in configurator.model_keys()}  # the model keys
 # -----------------------------------------------------------------------------
 # processes and devices
 
+flush_denormals()  # an underflowing softmax would slow CPU matmuls ~20x (hardware.py)
 ddp = int(os.environ.get('RANK', -1)) != -1  # is this a torchrun run?
 rank, local_rank, world_size = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                 int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
