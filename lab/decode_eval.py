@@ -154,22 +154,20 @@ def fmt(x, spec='.4f'):
     return '—' if x is None else format(x, spec)
 
 
+def row(label, threshold, p):
+    return (f"| {label} | {fmt(threshold, '.4g')} | {fmt(p['loops'], '.2f')} | {fmt(p['ce'])} | "
+            f"{fmt(p['ppl'], '.3f')} |")
+
+
 def arm_lines(name, r):
+    slots = f", kv_slots {r['kv_slots']}" if 'shared' in r['policies'] else ''
     lines = [f"### {name}", "",
-             f"{r['windows']} windows x {r['tokens_per_window']} tokens, block {r['block_size']}, R {r['R']}, "
-             f"exit score {r['exit_policy']}"
-             + (f", kv_slots {r['kv_slots']}" if 'shared' in r['policies'] else ''), "",
+             f"{r['windows']} windows x {r['tokens_per_window']} tokens, block {r['block_size']}, "
+             f"R {r['R']}, exit score {r['exit_policy']}{slots}", "",
              "| curve | threshold | loops/token | CE | PPL |", "|---|---|---|---|---|"]
-    for p in r['fixed']:
-        lines.append(f"| fixed n={p['n_loop']} | — | {fmt(p['loops'], '.2f')} | {fmt(p['ce'])} | "
-                     f"{fmt(p['ppl'], '.3f')} |")
-    for pol, curve in r['policies'].items():
-        for p in curve:
-            lines.append(f"| {pol} | {fmt(p['threshold'], '.4g')} | {fmt(p['loops'], '.2f')} | {fmt(p['ce'])} | "
-                         f"{fmt(p['ppl'], '.3f')} |")
-    for p in r.get('sequence', []):
-        lines.append(f"| sequence-level | {fmt(p['threshold'], '.4g')} | {fmt(p['loops'], '.2f')} | "
-                     f"{fmt(p['ce'])} | {fmt(p['ppl'], '.3f')} |")
+    lines += [row(f"fixed n={p['n_loop']}", None, p) for p in r['fixed']]
+    lines += [row(pol, p['threshold'], p) for pol, curve in r['policies'].items() for p in curve]
+    lines += [row('sequence-level', p['threshold'], p) for p in r.get('sequence', [])]
     return lines + [""]
 
 
@@ -182,8 +180,8 @@ def gap_lines(results):
              "| arm | " + " | ".join(f"{p} max | {p} mean" for p in pols) + " |",
              "|---|" + "---|---|" * len(pols)]
     for name, r in results.items():
-        cells = [f"{fmt(r['gap'].get(p, {}).get('max'), '+.4f')} | {fmt(r['gap'].get(p, {}).get('mean'), '+.4f')}"
-                 for p in pols]
+        gap = lambda p, key: fmt(r['gap'].get(p, {}).get(key), '+.4f')
+        cells = [f"{gap(p, 'max')} | {gap(p, 'mean')}" for p in pols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -220,7 +218,8 @@ def plot_ppl(results, report_dir):
         ax.plot([p['loops'] for p in f], [p['ppl'] for p in f], 'k-o', label='fixed depth', ms=4)
         s = sorted(r.get('sequence', []), key=lambda p: p['loops'])
         if s:
-            ax.plot([p['loops'] for p in s], [p['ppl'] for p in s], '--', color='gray', label='sequence-level')
+            ax.plot([p['loops'] for p in s], [p['ppl'] for p in s], '--', color='gray',
+                    label='sequence-level')
         for pol, curve in r['policies'].items():
             c = sorted(curve, key=lambda p: p['loops'])
             ax.plot([p['loops'] for p in c], [p['ppl'] for p in c], '.-', label=pol)
@@ -301,15 +300,16 @@ def main(argv=None):
     with tqdm(total=total, desc='decode steps', unit='tok', mininterval=2) as bar:
         for name, model, X, Y, thr, slots in arms:
             results[name] = evaluate(model, X, Y, pols, thr, args.exit_policy, slots, qs, bar)
-    header = dict(command='python lab/decode_eval.py ' + ' '.join(map(shlex.quote, sys.argv[1:] if argv is None
-                                                                      else argv)),
+    words = sys.argv[1:] if argv is None else argv
+    header = dict(command='python lab/decode_eval.py ' + ' '.join(map(shlex.quote, words)),
                   commit=code_version(), device=f"{args.device}, {torch.get_num_threads()} thread(s)",
                   seconds=time.time() - t0)
     out = write_report(results, header, args.report_dir)
     print(f"wrote {out} ({header['seconds']:.0f}s)")
     for name, r in results.items():
         gaps = ', '.join(f"{p} {fmt(g['max'], '+.4f')}" for p, g in r['gap'].items())
-        print(f"{name}: fixed-R CE {r['fixed'][-1]['ce']:.4f}; max CE over recompute at matched loops: {gaps}")
+        print(f"{name}: fixed-R CE {r['fixed'][-1]['ce']:.4f}; CE over recompute at matched loops "
+              f"(max): {gaps}")
 
 
 if __name__ == '__main__':

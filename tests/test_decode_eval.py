@@ -87,7 +87,8 @@ def test_report_cells_equal_the_json(tiny_data, tmp_path, capsys):
     assert len(res['arms']) == 2
     for name, r in res['arms'].items():
         section = md.split(f"### {name}")[1].split('###')[0]
-        rows = [re.split(r'\s*\|\s*', line.strip('| ')) for line in section.splitlines() if line.startswith('| ')]
+        lines = [line for line in section.splitlines() if line.startswith('| ')]
+        rows = [re.split(r'\s*\|\s*', line.strip('| ')) for line in lines]
         rows = [row for row in rows if row[0] not in ('curve', '---')]
         want = [(f"fixed n={p['n_loop']}", p) for p in r['fixed']]
         want += [(pol, p) for pol, c in r['policies'].items() for p in c]
