@@ -66,11 +66,11 @@ def test_past_the_block_the_engine_refills_every_half_block():
 
 
 def test_matched_gap_interpolates_in_loops():
-    ref = [dict(loops=1.5, ce=2.0), dict(loops=2.5, ce=1.8), dict(loops=3.9, ce=1.7)]
-    curve = [dict(loops=1.0, ce=2.2), dict(loops=3.0, ce=2.0)]
-    g = de.matched_gap(curve, ref)
-    assert g['n'] == 2 and g['max'] == pytest.approx(0.25) and g['mean'] == pytest.approx(0.2)
-    assert de.matched_gap([dict(loops=3.95, ce=1.0)], ref)['n'] == 0
+    ref = [dict(loops=1.0, ce=2.0), dict(loops=3.0, ce=1.8)]
+    curve = [dict(loops=0.5, ce=2.5), dict(loops=2.0, ce=2.0), dict(loops=2.5, ce=2.05)]
+    g = de.matched_gap(curve, ref)  # ref at 2.0 is 1.9, at 2.5 is 1.85; 0.5 lies outside it
+    assert g['n'] == 2 and g['max'] == pytest.approx(0.2) and g['mean'] == pytest.approx(0.15)
+    assert de.matched_gap([dict(loops=3.5, ce=1.0)], ref) == dict(max=None, mean=None, n=0)
 
 
 def test_report_cells_equal_the_json(tiny_data, tmp_path, capsys):
