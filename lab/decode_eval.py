@@ -235,7 +235,8 @@ def plot_ppl(results, report_dir):
         for pol, curve in r['policies'].items():
             c = sorted(curve, key=lambda p: p['loops'])
             ax.plot([p['loops'] for p in c], [p['ppl'] for p in c], '.-', label=pol)
-        ax.set(title=name, xlabel='mean loops per token', ylabel='PPL')
+        ax.set(title=name.replace(' (', '\n('), xlabel='mean loops per token', ylabel='PPL (log scale)')
+        ax.set_yscale('log')  # shared's PPL is many times the others'
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
