@@ -43,7 +43,7 @@ from eval_depth import adaptive_curves, exit_stats, json_safe, quantile_threshol
 from prepare import load_meta
 from reports import plt_or_none, save
 
-QUANTILES = (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)  # of the per-token exit scores: thresholds from ~1 to ~R loops
+QUANTILES = (0.02, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 0.95)  # of the per-token exit scores: ~1 to ~R loops
 
 # -----------------------------------------------------------------------------
 # teacher-forced decoding through the cache
