@@ -329,7 +329,7 @@ def test_verification_runs_the_drafted_positions_in_one_pass_with_fixed_R_logits
     stats = dict(checked=0, accepted=0, drafted=0)
     x_last = torch.cat((x, x[:, -1:]), 1)  # a last token at pos 5 that has not run yet
     speculate_round(m, x_last, cache, 5, 4, k, 4, 0, None, stats)
-    # loop 1's first layer: 4 drafts one by one (k loops each), then loops k+1..R once over all 4
+    # the first layer's visits: 4 drafts one by one (k loops each), then loops k+1..R once over all 4
     assert [n for n, _ in verified] == [4] and seen == [1] * 4 * k + [4] * (4 - k)
     # the drafts are exit k's greedy picks: rebuild them with the full forward, then exit R's logits
     drafted = [x_last[:, -1:]]
