@@ -265,7 +265,7 @@ def pick(logits, temperature, top_k):
 
 def draft(model, idx, cache, pos, k):
     """Loops 1..k of the tokens idx (B, 1) at pos, writing their slots: exit k's logits (B, V) and
-    the state (h_k, e) that verify goes on from."""
+    the state (h_k, e) (B, 1, C) each that verify goes on from."""
     e = model.untied('prelude', model.embed(idx, pos), cache, pos)
     for _, h in model.loops(e, k, cache, pos):
         pass
@@ -274,8 +274,11 @@ def draft(model, idx, cache, pos, k):
 
 
 def verify(model, state, cache, pos, k, R):
-    """Loops k+1..R of a drafted position, from its state after loop k: exit R's logits (B, V),
-    the same numbers a fixed-R step computes, since loops 1..k are the draft's own."""
+    """Loops k+1..R and the coda of the T drafted positions pos..pos+T-1 in one pass, from their
+    states (h_k, e) (B, T, C) after loop k: exit R's logits (B, T, V), the numbers fixed-R steps
+    compute, since loops 1..k are the draft's own. The T positions go through the model as one
+    multi-token step (the causal mask puts draft i after drafts 0..i-1), writing their slots of
+    loops k+1..R and of the coda; where decoding reads the weights, T cost about what one does."""
     h, e = state
     cache.offset = k  # the model numbers these loops 1..R-k: they are loops k+1..R
     loops, sent = model.loops(model.carry(h, e), R - k, cache, pos), None
@@ -283,27 +286,29 @@ def verify(model, state, cache, pos, k, R):
         _, h = loops.send(sent)
         sent = (h, e)  # the generator took its input for e: send the prelude's back
     cache.offset = 0
-    z = model.head_input(h, R, cache, pos)[:, -1]
-    return model.lm_head(z).float()
+    return model.lm_head(model.head_input(h, R, cache, pos)).float()
 
 
 def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k, stats):
     """One round of self-speculative decoding after idx (B, T), whose last token (at pos) has not
     run yet: draft gamma tokens with loops 1..k, then verify them with loops k+1..R from the
-    drafted states. Returns the 1..gamma tokens (B, n) kept, fixed-R decoding's own: greedy, the
-    same tokens; sampled, the same distribution (accept a draft x with probability
-    min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k), normalised). The model's
-    attention takes several new tokens only at position 0, so verification goes one position at
-    a time. A batch keeps tokens up to the first position some row rejects (exact for every row).
-    Slots past the kept positions hold drafts: each is rewritten before any query reads it."""
-    tok, drafts = idx[:, -1:], []
+    drafted states, all gamma positions in one pass. Returns the 1..gamma tokens (B, n) kept,
+    fixed-R decoding's own: greedy, the same tokens; sampled, the same distribution (accept a
+    draft x with probability min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k),
+    normalised). A batch keeps tokens up to the first position some row rejects (exact for every
+    row). Slots past the kept positions hold drafts: each is rewritten before any query reads it
+    (the next round drafts and verifies from the first position not kept)."""
+    tok, drafts, states = idx[:, -1:], [], []
     for i in range(gamma):
         q_logits, state = draft(model, tok, cache, pos + i, k)
         tok = pick(q_logits, temperature, top_k)
-        drafts.append((q_logits, state, tok))
+        drafts.append((q_logits, tok))
+        states.append(state)
+    h, e = (torch.cat(s, dim=1) for s in zip(*states))   # (B, gamma, C) each
+    p_all = verify(model, (h, e), cache, pos, k, R)       # (B, gamma, V)
     out = []
-    for i, (q_logits, state, tok) in enumerate(drafts):
-        p_logits = verify(model, state, cache, pos + i, k, R)
+    for i, (q_logits, tok) in enumerate(drafts):
+        p_logits = p_all[:, i]
         if temperature == 0:
             fix = p_logits.argmax(dim=-1, keepdim=True)
             ok = fix == tok

@@ -114,18 +114,26 @@ def apply_rope(x, cos, sin):
 def attention(q, k, v, causal, impl='auto', dropout_p=0.0):
     """softmax(q k^T / sqrt(hs) + mask) v, q (B, nh, Tq, hs), k and v (B, nh, Tk, hs).
     Three paths give one result: 'sdpa' (flash where available), 'math' (its reference kernel)
-    and 'explicit'; 'auto' takes the fastest here (hardware.py). causal is is_causal's mask."""
+    and 'explicit'; 'auto' takes the fastest here (hardware.py). causal: query i is position
+    Tk - Tq + i and sees keys 0..Tk - Tq + i (the queries are the last Tq of the keys)."""
     impl = attention_path(impl, q.device.type, q.dtype, k.size(-2))
-    if impl == 'sdpa':
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
-    if impl == 'math':
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
     B, nh, Tq, hs = q.shape
     Tk = k.size(-2)
-    # scores / sqrt(hs) + mask in one batched matmul; the mask is -inf above the diagonal
+    assert Tq <= Tk, f"{Tq} queries but only {Tk} keys: the queries must be the last of the keys"
+    if impl in ('sdpa', 'math'):
+        # is_causal aligns its mask top-left, right only when Tq == Tk (training, a prompt at 0);
+        # new tokens after a cached history (Tq < Tk) need it bottom-right: a boolean mask
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq) \
+            if causal and Tq < Tk else None
+        args = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None)
+        if impl == 'math':
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q, k, v, **args)
+        return F.scaled_dot_product_attention(q, k, v, **args)
+    # scores / sqrt(hs) + mask in one batched matmul; the mask is -inf above the diagonal that
+    # starts at key Tk - Tq (the main one when Tq == Tk)
     mask = torch.full((Tq, Tk), -math.inf if causal else 0.0, dtype=q.dtype, device=q.device)
-    att = torch.baddbmm(mask.triu(1), q.reshape(B * nh, Tq, hs),
+    att = torch.baddbmm(mask.triu(1 + Tk - Tq), q.reshape(B * nh, Tq, hs),
                         k.reshape(B * nh, Tk, hs).transpose(1, 2), alpha=1.0 / math.sqrt(hs))
     att = F.softmax(att, dim=-1)  # (B*nh, Tq, Tk)
     att = F.dropout(att, dropout_p) if dropout_p > 0 else att
@@ -157,9 +165,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.qkv(x, rope)
         if kv is not None:
-            # decoding (engine.py): the new keys and values join this visit's cache slot and the
-            # queries see positions 0..pos+T-1. Only a prompt (at pos 0) comes several at a time.
-            assert T == 1 or pos == 0, "multi-token steps are only supported at position 0"
+            # decoding (engine.py): the new keys and values join this visit's cache slot, and the
+            # T new tokens (a prompt at 0, or drafts to verify at pos > 0) see positions 0..pos+T-1
             k, v = kv.update(k, v, pos)
         y = attention(q, k, v, T > 1, self.attn_impl, self.attn_dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)

@@ -307,3 +307,36 @@ def test_bad_decoding_flags_are_one_line_errors(tiny_data, tiny_ckpt, monkeypatc
     code, _, err = run_main([f'--out_dir={tiny_ckpt}', '--max_new_tokens=4', '--device=cpu', *args])
     assert code not in (0, None) and err.startswith('error: ') and err.count('\n') == 1, err
     assert says in err, err
+
+
+@pytest.mark.parametrize('k', [1, 3])
+def test_verification_runs_the_drafted_positions_in_one_pass_with_fixed_R_logits(k, monkeypatch):
+    # a round of 4 drafts after a 5-token prompt: loops k+1..R see the 4 positions as one multi-token step
+    # at pos 5 (no other step there has T > 1), and their exit-R logits are the full forward's
+    import engine
+    m, x = tiny(n_prelude=1, n_coda=1, pos='rope', injection='add'), prompts(B=2, n=5, seed=3)
+    cache = KVCache(m, 2, 4, 'cpu', torch.float32)
+    decode_step(m, x, cache, 0, 4)
+    verified, verify = [], engine.verify  # (positions verified, their logits) of each call
+
+    def spy(model, state, cache, pos, k, R):
+        verified.append((state[0].size(1), verify(model, state, cache, pos, k, R)))
+        return verified[-1][1]
+    monkeypatch.setattr(engine, 'verify', spy)
+    block = m.transformer.h[0].attn
+    seen = []
+    monkeypatch.setattr(block, 'forward', lambda x, *a, f=block.forward: seen.append(x.size(1)) or f(x, *a))
+    stats = dict(checked=0, accepted=0, drafted=0)
+    x_last = torch.cat((x, x[:, -1:]), 1)  # a last token at pos 5 that has not run yet
+    speculate_round(m, x_last, cache, 5, 4, k, 4, 0, None, stats)
+    # the first layer's visits: 4 drafts one by one (k loops each), then loops k+1..R once over all 4
+    assert [n for n, _ in verified] == [4] and seen == [1] * 4 * k + [4] * (4 - k)
+    # the drafts are exit k's greedy picks: rebuild them with the full forward, then exit R's logits
+    drafted = [x_last[:, -1:]]
+    with torch.no_grad():
+        for i in range(3):
+            seq = torch.cat([x_last] + drafted[1:], 1)
+            drafted.append(m.readout(m.states(seq, n_loop=k)[-1], k)[:, -1:].argmax(-1))
+        seq = torch.cat([x_last] + drafted[1:], 1)  # (2, 9): the prompt, its last token, 3 drafts
+        full = m.readout(m.states(seq)[-1], 4)[:, 5:9]
+    assert torch.allclose(verified[0][1], full, atol=1e-5)

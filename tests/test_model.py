@@ -607,3 +607,46 @@ def test_estimate_mfu_counts_every_loop_and_every_supervised_exit(kw, n_exits):
     assert math.isclose(m.estimate_mfu(fwdbwd_per_iter=4, dt=2.0, peak=1e9, T=8),
                         m.flops_per_token(8) * 8 * 4 / 2.0 / 1e9)
     assert peak_flops('NVIDIA H200') == 989e12 and peak_flops('some cpu') is None
+
+
+# ---------------------------------------------------------------- several new tokens after a cache
+
+@pytest.mark.parametrize('impl', ATTN_IMPLS)
+@pytest.mark.parametrize('Tq,Tk', [(4, 9), (1, 9), (3, 3), (7, 8)])
+def test_every_attention_path_aligns_the_causal_mask_bottom_right_after_a_cache(impl, Tq, Tk):
+    # Tq new tokens after Tk - Tq cached ones: query i is position Tk - Tq + i and sees keys 0..Tk - Tq + i
+    # (is_causal's top-left mask would hide the cached keys from them), forward and backward
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for n in (Tq, Tk, Tk))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+    sees = torch.tensor([[j <= Tk - Tq + i for j in range(Tk)] for i in range(Tq)])
+    expected = att.masked_fill(~sees, float('-inf')).softmax(-1) @ v
+    y = attention(q, k, v, True, impl)
+    assert torch.allclose(y, expected, atol=1e-12)
+    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((y * w).sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad((expected * w).sum(), (q, k, v))):
+        assert torch.allclose(got, want, atol=1e-12)
+    with pytest.raises(AssertionError, match='queries'):
+        attention(k, q[:, :, :0], v[:, :, :0], True, impl)  # more queries than keys
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(pos='rope', n_prelude=1, n_coda=1, injection='concat'),
+                                dict(attn_impl='explicit'), dict(attn_impl='math', pos='rope')])
+def test_a_cached_multi_token_step_after_position_0_equals_the_full_recompute(kw):
+    # a prompt of 5, then steps of 4, 1 and 6 tokens through the cache: each step's logits at every one
+    # of its positions are the full forward's at those positions
+    m = tiny(**kw).eval()
+    idx, _ = batch(B=2)
+    R = m.config.n_loop
+    with torch.no_grad():
+        full = m.readout(m.states(idx)[-1], R)  # (B, T, V)
+        cache, pos = KVCache(m, 2, R, 'cpu', torch.float32), 0
+        for n in (5, 4, 1, 6):
+            x = m.untied('prelude', m.embed(idx[:, pos:pos + n], pos), cache, pos)
+            for _, h in m.loops(x, R, cache, pos):
+                pass
+            got = m.lm_head(m.head_input(h, R, cache, pos))
+            assert torch.allclose(got, full[:, pos:pos + n], atol=1e-5), (pos, n)
+            pos += n
