@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 OFFLINE = Path(os.environ['NANOLOOP_OFFLINE_DATA']) if os.environ.get('NANOLOOP_OFFLINE_DATA') else None
@@ -26,6 +27,14 @@ sys.path.insert(0, str(REPO / 'lab'))  # the lab's scripts: import ablate, bench
 # tiktoken reads its GPT-2 files from its cache folder before it tries the network
 if OFFLINE is not None and (OFFLINE / 'tiktoken_cache').is_dir():
     os.environ.setdefault('TIKTOKEN_CACHE_DIR', str(OFFLINE / 'tiktoken_cache'))
+
+
+@pytest.fixture(autouse=True)
+def subnormal_floats_after_each_test():
+    # train.py and bench.py count fp32 denormals as zero (hardware.flush_denormals), a process-wide
+    # CPU setting; tests that run them in-process must not leave it on for the next test
+    yield
+    torch.set_flush_denormal(False)
 
 
 @pytest.fixture(scope='session')

@@ -78,6 +78,7 @@ def run_train(args, cwd):
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         torch.set_num_threads(old_threads)
+        torch.set_flush_denormal(False)  # train.py counts denormals as zero (hardware.flush_denormals)
         if old_omp is None:
             os.environ.pop('OMP_NUM_THREADS', None)
         else:
