@@ -850,7 +850,9 @@ def row_policies(run):
                 fns[tag + p] = decoder(model, prompt, n_new, last, p, exit_threshold=threshold,
                                        exit_policy=EXIT_POLICY, kv_policy=p,
                                        kv_slots=POLICY_SLOTS if p == 'shared' else None)
-            t = per_token(side_by_side(fns, run.device, 1, min(3, run.repeats)), n_new, tag + 'prefill')
+            # a narrow model's generations take ~0.1 s, where a busy machine's noise is largest: more repeats
+            repeats = run.repeats if C < 512 else min(3, run.repeats)
+            t = per_token(side_by_side(fns, run.device, 1, repeats), n_new, tag + 'prefill')
             fixed_s = t[tag + 'fixed']
             for p in KV_POLICIES:
                 if p not in last:  # side_by_side did not call it (a test's stand-in timer)
