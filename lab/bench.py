@@ -10,6 +10,7 @@ warm-up excluded).
     python lab/bench.py --threads=1 --timer=process   # on a busy machine: CPU seconds, not wall time
     python lab/bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
     python lab/bench.py --only=vs_plain,bf16,mfu_dtype  # some rows only (names: see MEASUREMENTS)
+    python lab/bench.py --size=cpu_large --only=past_block,speculative  # rows 15, 16 at d 512 and 2048: minutes
 
 Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
@@ -113,8 +114,8 @@ SIZES = {
                          vocab_size=50257)),
 }
 # the cpu size with the long rows at full length: d 512 past a block of 256 (the width and block where
-# cropping at every step cost 9.7x), and speculative decoding at d 2048 too, whose 0.4 GB of fp32 weights
-# exceed a 300 MiB L3 (d 1536's 0.23 GB do not)
+# cropping at every step cost 9.7x), and speculative decoding at d 2048 too, whose 513 MiB of fp32 weights
+# exceed a 300 MiB L3 (d 1536's 288 MiB do not)
 SIZES['cpu_large'] = dict(
     SIZES['cpu'],
     past_block=dict(n_embd=512, n_head=8, n_layer=2, n_loop=4, block_size=256, prompt=16, vocab_size=65),
@@ -816,7 +817,8 @@ def mean_loops(used):
 
 
 def width_model(spec, C, block_size, device):
-    # a decode model of width C, heads of spec['head_size']
+    # a decode model of width C, heads of spec['head_size']; seeded: the same weights whichever rows ran
+    torch.manual_seed(C)
     return decode_model(dict(spec, n_embd=C, n_head=max(1, C // spec['head_size'])), block_size, device)
 
 
@@ -899,6 +901,7 @@ def row_past_block(run):
     spec = run.size['past_block']
     bs = spec['block_size']
     inside, n_new = bs - spec['prompt'], 4 * bs  # inside: the new tokens that fit in the first block
+    torch.manual_seed(0)
     model = decode_model(spec, bs, run.device)
     prompt = prompts(spec['vocab_size'], 1, spec['prompt'], seed=0, device=run.device)
     t = side_by_side({'past_block_prefill': decoder(model, prompt, 1),
