@@ -10,7 +10,7 @@ warm-up excluded).
     python lab/bench.py --threads=1 --timer=process   # on a busy machine: CPU seconds, not wall time
     python lab/bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
     python lab/bench.py --only=vs_plain,bf16,mfu_dtype  # some rows only (names: see MEASUREMENTS)
-    python lab/bench.py --size=cpu_large --only=past_block,speculative  # rows 15, 16 at d 512 and 2048: minutes
+    python lab/bench.py --size=cpu_large --only=past_block,speculative  # rows 15-16, larger: minutes
 
 Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
