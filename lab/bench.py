@@ -10,6 +10,7 @@ warm-up excluded).
     python lab/bench.py --threads=1 --timer=process   # on a busy machine: CPU seconds, not wall time
     python lab/bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
     python lab/bench.py --only=vs_plain,bf16,mfu_dtype  # some rows only (names: see MEASUREMENTS)
+    python lab/bench.py --size=cpu_large --only=past_block,speculative  # rows 15-16, larger: minutes
 
 Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
@@ -27,6 +28,12 @@ Rows and their targets:
  10 MFU by dtype  the default model's step against the ceiling of the dtype it runs in              >= 60%
  11 attention     the default model's step with every attention path, per dtype: is 'auto' the fastest?
  12 profile       where the default step goes, per dtype: torch.profiler's self CPU time by op     report
+ 13 policies      adaptive / fixed decode tok/s per kv_policy, d 128 and d 512, batch 1 and 8
+                  >= 0.8 x (R / loops) at d >= 512 batch 8, 0.9 x for copy/shared at batch 1, 1.0x at d 128
+ 14 cache memory  the KV cache's bytes per kv_policy at R = 4, 8, 16     shared: independent of R
+ 15 past block    per-token time past the block size / inside it, 4 x block_size new tokens       <= 1.5
+ 16 speculative   self-speculative / fixed-R decode tok/s and acceptance, drafts from loops 1..R-1  report
+                  (>= 1.0 where the weights exceed the CPU's cache: --size=cpu_large --only=speculative)
 Each row is announced with the time so far and an ETA. On a CPU without bf16 units (hardware.cpu_bf16_units)
 bf16 is emulated, ~60x slower than fp32, so rows 6 and 8-12 run in fp32 only and row 9 is skipped (--bf16
 and the tiny size time bf16 anyway, marked as emulated; --no-bf16 leaves it out anywhere).
@@ -58,7 +65,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, peak_flops
-from engine import exit_score, generate
+from engine import KV_POLICIES, KVCache, exit_score, generate
 from model import GPT, GPTConfig, LinearCrossEntropy
 
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
@@ -68,7 +75,12 @@ SIZES = {
         head=dict(n_embd=32, n_head=2, n_layer=1, n_loop=4, batch_size=2, block_size=32, vocab_size=50257),
         decode=dict(n_embd=32, n_head=2, n_layer=1, n_loop=3, prompt=8, new_tokens=24, vocab_size=512),
         default=dict(n_embd=32, n_head=2, n_layer=2, n_loop=2, batch_size=2, block_size=32, vocab_size=65),
-        matmul=(128, 256), repeats=3, warmup=1, decode_repeats=1, block_steps=1),
+        matmul=(128, 256), repeats=3, warmup=1, decode_repeats=1, block_steps=1,
+        policies=dict(widths=(32,), head_size=16, n_layer=1, n_loop=3, batches=(1, 2), prompt=4, new_tokens=6,
+                      vocab_size=64),
+        past_block=dict(n_embd=32, n_head=2, n_layer=1, n_loop=2, block_size=16, prompt=4, vocab_size=64),
+        speculative=dict(widths=(32,), head_size=16, n_layer=1, n_loop=3, gamma=3, prompt=4, new_tokens=8,
+                         vocab_size=64)),
     'cpu': dict(
         speed=dict(n_embd=192, n_head=4, n_layer=2, n_loop=4, batch_size=4, block_size=256, vocab_size=65),
         head=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, batch_size=2, block_size=256, vocab_size=50257),
@@ -77,7 +89,14 @@ SIZES = {
         decode=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, prompt=16, new_tokens=512, vocab_size=65),
         # rows 8-12: train.py's default run (GPTConfig() and its batch of 8 x 64), timed in blocks of steps
         default=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, batch_size=8, block_size=64, vocab_size=65),
-        matmul=(512, 1024, 2048), repeats=7, warmup=2, decode_repeats=2, block_steps=5),
+        matmul=(512, 1024, 2048), repeats=7, warmup=2, decode_repeats=2, block_steps=5,
+        # rows 13-16: K 2, R 4 decoding; timings are short generations, medians of 3 after 1 warm-up
+        # (row 13 at 12 new tokens: its 24 generations, 'active' at batch 8 one row at a time, take ~40 s)
+        policies=dict(widths=(128, 512), head_size=64, n_layer=2, n_loop=4, batches=(1, 8), prompt=16,
+                      new_tokens=12, vocab_size=65),
+        past_block=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, block_size=64, prompt=16, vocab_size=65),
+        speculative=dict(widths=(512,), head_size=64, n_layer=2, n_loop=4, gamma=4, prompt=16, new_tokens=16,
+                         vocab_size=65)),
     'gpu': dict(
         speed=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, batch_size=8, block_size=1024,
                    vocab_size=50304),
@@ -86,8 +105,21 @@ SIZES = {
         decode=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, prompt=16, new_tokens=512, vocab_size=50257),
         default=dict(n_embd=512, n_head=8, n_layer=8, n_loop=4, batch_size=16, block_size=256,
                      vocab_size=50257),  # paper_44m's model at a quarter of its batch
-        matmul=(4096, 8192), repeats=10, warmup=3, decode_repeats=3, block_steps=3),
+        matmul=(4096, 8192), repeats=10, warmup=3, decode_repeats=3, block_steps=3,
+        policies=dict(widths=(128, 768), head_size=64, n_layer=2, n_loop=4, batches=(1, 8), prompt=16,
+                      new_tokens=64, vocab_size=50257),
+        past_block=dict(n_embd=768, n_head=12, n_layer=2, n_loop=4, block_size=256, prompt=16,
+                        vocab_size=50257),
+        speculative=dict(widths=(768,), head_size=64, n_layer=2, n_loop=4, gamma=4, prompt=16, new_tokens=64,
+                         vocab_size=50257)),
 }
+# the cpu size with the long rows at full length: d 512 past a block of 256 (the width and block where
+# cropping at every step cost 9.7x), and speculative decoding at d 2048 too, whose 513 MiB of fp32 weights
+# exceed a 300 MiB L3 (d 1536's 288 MiB do not)
+SIZES['cpu_large'] = dict(
+    SIZES['cpu'],
+    past_block=dict(n_embd=512, n_head=8, n_layer=2, n_loop=4, block_size=256, prompt=16, vocab_size=65),
+    speculative=dict(SIZES['cpu']['speculative'], widths=(512, 2048)))
 
 DTYPES = ('float32', 'bfloat16')  # what rows 6 and 8-12 time, where the machine runs bf16 usefully
 SHORT = {'float32': 'fp32', 'bfloat16': 'bf16'}
@@ -749,11 +781,199 @@ def row_profile(run):
     return {'profile': out}
 
 
+# -----------------------------------------------------------------------------
+# rows 13-16: adaptive decoding per kv_policy, cache memory, past the block size, self-speculative decoding
+# Per-token times: each generation is timed beside the prompt pass alone (generate(..., 1): the prompt and
+# the first new token, which comes off it), and the difference is split over the tokens after the first,
+# so the start-up cancels.
+
+POLICY_SLOTS = 2  # kv_slots of the shared policy in rows 13 and 14
+
+
+def prompts(vocab_size, B, T, seed, device):
+    """B rows (B, T) of random token ids."""
+    return torch.randint(vocab_size, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def decoder(model, prompt, n_new, last=None, name=None, **kw):
+    """A call that samples n_new tokens after prompt (seeded: the same tokens every call); the loops per
+    token it used go into last[name]."""
+    def decode():
+        torch.manual_seed(0)
+        _, used = generate(model, prompt, n_new, temperature=1.0, **kw)
+        if last is not None:
+            last[name] = used
+    return decode
+
+
+def per_token(t, n_new, base):
+    """Seconds per new token past the first of each timing in t, against the prompt pass t[base]."""
+    return {name: (s - t[base]) / (n_new - 1) for name, s in t.items() if name != base}
+
+
+def mean_loops(used):
+    # the first new token comes off the prompt pass, which runs all R loops: left out of the mean
+    return used[:, 1:].float().mean().item()
+
+
+def width_model(spec, C, block_size, device):
+    # a decode model of width C, heads of spec['head_size']; seeded: the same weights whichever rows ran
+    torch.manual_seed(C)
+    return decode_model(dict(spec, n_embd=C, n_head=max(1, C // spec['head_size'])), block_size, device)
+
+
+def adaptive_target(C, B, policy, ideal):
+    """(target text, the ratio to reach or None) of adaptive / fixed decoding at width C, batch B."""
+    if C < 512:
+        return '>= 1.0x', 1.0
+    if B >= 8:
+        return f'>= 0.8 x {ideal:.2f} = {0.8 * ideal:.2f}', 0.8 * ideal
+    if policy in ('copy', 'shared'):
+        return f'>= 0.9 x {ideal:.2f} = {0.9 * ideal:.2f}', 0.9 * ideal
+    return 'report', None
+
+
+def row_policies(run):
+    """Adaptive-exit vs fixed-R decoding at each width and batch of the size, for every kv_policy (shared
+    with POLICY_SLOTS slots), threshold set as row 5's (about half the tokens leave after loop 1). All the
+    generations of one width and batch are timed interleaved."""
+    spec = run.size['policies']
+    R, n_new = spec['n_loop'], spec['new_tokens']
+    block_size = spec['prompt'] + n_new
+    cases = []
+    for C in spec['widths']:
+        model = width_model(spec, C, block_size, run.device)
+        threshold = median_first_exit_score(model, min(block_size, 256), run.device)
+        for B in spec['batches']:
+            prompt = prompts(spec['vocab_size'], B, spec['prompt'], seed=0, device=run.device)
+            tag, last = f'policies_d{C}_b{B}_', {}
+            fns = {tag + 'prefill': decoder(model, prompt, 1), tag + 'fixed': decoder(model, prompt, n_new)}
+            for p in KV_POLICIES:
+                fns[tag + p] = decoder(model, prompt, n_new, last, p, exit_threshold=threshold,
+                                       exit_policy=EXIT_POLICY, kv_policy=p,
+                                       kv_slots=POLICY_SLOTS if p == 'shared' else None)
+            # a narrow model's generations take ~0.1 s, where a busy machine's noise is largest: more repeats
+            repeats = run.repeats if C < 512 else min(3, run.repeats)
+            t = per_token(side_by_side(fns, run.device, 1, repeats), n_new, tag + 'prefill')
+            fixed_s = t[tag + 'fixed']
+            for p in KV_POLICIES:
+                if p not in last:  # side_by_side did not call it (a test's stand-in timer)
+                    fns[tag + p]()
+                loops = mean_loops(last[p])
+                ideal = R / loops
+                ratio = fixed_s / t[tag + p]
+                target, need = adaptive_target(C, B, p, ideal)
+                cases.append(dict(n_embd=C, batch_size=B, policy=p, ratio=ratio, ideal=ideal,
+                                  of_ideal=ratio / ideal, mean_loops=loops, adaptive_ms=t[tag + p] * 1e3,
+                                  fixed_ms=fixed_s * 1e3, adaptive_tok_s=B / t[tag + p],
+                                  fixed_tok_s=B / fixed_s,
+                                  target=target, met=None if need is None else ratio >= need))
+    checked = [c['met'] for c in cases if c['met'] is not None]
+    return {'decode_policies': dict(cases=cases, target='see cells', met=all(checked), threshold=threshold,
+                                    exit_policy=EXIT_POLICY, kv_slots=POLICY_SLOTS,
+                                    config=dict(spec, block_size=block_size))}
+
+
+def row_cache_memory(run):
+    """The KV cache's bytes per policy at R = 4, 8, 16 for the widest model of row 13 (batch 1, its block
+    size). Allocated on the meta device: sizes without memory."""
+    spec = run.size['policies']
+    C = max(spec['widths'])
+    block_size = spec['prompt'] + spec['new_tokens']
+    cfg = dict(spec, n_embd=C, n_head=max(1, C // spec['head_size']), block_size=block_size)
+    mib = {}
+    for p in KV_POLICIES:
+        for R in (4, 8, 16):
+            config = GPTConfig(**{k: v for k, v in dict(cfg, n_loop=R).items()
+                                  if k in GPTConfig.__dataclass_fields__})
+            cache = KVCache(argparse.Namespace(config=config), 1, R, torch.device('meta'), torch.float32, p,
+                            POLICY_SLOTS if p == 'shared' else None)
+            mib[f'{p}_r{R}'] = cache.nbytes() / 2 ** 20
+    shared = [mib[f'shared_r{R}'] for R in (4, 8, 16)]
+    return {'cache_memory': dict(mib=mib, ratio=shared[-1] / shared[0], target='shared: equal at every R',
+                                 met=len(set(shared)) == 1, kv_slots=POLICY_SLOTS,
+                                 config=dict(cfg, batch_size=1))}
+
+
+def row_past_block(run):
+    """Per-token time of the tokens generated past the block size against those inside it, in one
+    generation of 4 x block_size new tokens (the window slides half a block at a time: engine.generate)."""
+    spec = run.size['past_block']
+    bs = spec['block_size']
+    inside, n_new = bs - spec['prompt'], 4 * bs  # inside: the new tokens that fit in the first block
+    torch.manual_seed(0)
+    model = decode_model(spec, bs, run.device)
+    prompt = prompts(spec['vocab_size'], 1, spec['prompt'], seed=0, device=run.device)
+    t = side_by_side({'past_block_prefill': decoder(model, prompt, 1),
+                      'past_block_inside': decoder(model, prompt, inside),
+                      'past_block_all': decoder(model, prompt, n_new)}, run.device, 1, min(3, run.repeats))
+    inside_s = (t['past_block_inside'] - t['past_block_prefill']) / (inside - 1)
+    past_s = (t['past_block_all'] - t['past_block_inside']) / (n_new - inside)
+    stats = {}
+    with torch.no_grad():
+        generate(model, prompt, n_new, temperature=1.0, stats=stats)
+    ratio = past_s / inside_s
+    return {'past_block': dict(ratio=ratio, target='<= 1.5', met=ratio <= 1.5, inside_ms=inside_s * 1e3,
+                               past_ms=past_s * 1e3, new_tokens=n_new, inside_tokens=inside,
+                               refills=stats['refills'], config=dict(spec))}
+
+
+def cache_bytes():
+    """The largest CPU cache (L3 where there is one) in bytes, from sysfs; None where unknown."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f'/sys/devices/system/cpu/cpu0/cache/index{index}/size') as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        unit = {'K': 2 ** 10, 'M': 2 ** 20}.get(text[-1], 1)
+        sizes.append(int(text.rstrip('KM')) * unit)
+    return max(sizes) if sizes else None
+
+
+def row_speculative(run):
+    """Self-speculative decoding (drafts from loops 1..k, verified by loops k+1..R, fixed-R's tokens) vs
+    fixed-R decoding, for k = 1..R-1 at each width of the size, sampled at temperature 1. The acceptance
+    rate is counted over every call, warm-up included. The weights are untrained (random, GPT-2 init):
+    every exit's logits then echo the embedding, so the acceptance says nothing about a trained model."""
+    spec = run.size['speculative']
+    R, n_new = spec['n_loop'], spec['new_tokens']
+    block_size = spec['prompt'] + n_new
+    l3 = cache_bytes() if run.device.type == 'cpu' else None
+    cases = []
+    for C in spec['widths']:
+        model = width_model(spec, C, block_size, run.device)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        prompt = prompts(spec['vocab_size'], 1, spec['prompt'], seed=0, device=run.device)
+        tag = f'speculative_d{C}_'
+        fns = {tag + 'prefill': decoder(model, prompt, 1), tag + 'fixed': decoder(model, prompt, n_new)}
+        stats = {k: {} for k in range(1, R)}
+        for k in range(1, R):
+            fns[tag + f'k{k}'] = decoder(model, prompt, n_new, draft_loops=k, speculate=spec['gamma'],
+                                         stats=stats[k])
+        t = per_token(side_by_side(fns, run.device, 1, min(3, run.repeats)), n_new, tag + 'prefill')
+        big = l3 is not None and weights > l3
+        for k in range(1, R):
+            if not stats[k]:  # side_by_side did not call it (a test's stand-in timer)
+                fns[tag + f'k{k}']()
+            ratio = t[tag + 'fixed'] / t[tag + f'k{k}']
+            cases.append(dict(n_embd=C, draft_loops=k, ratio=ratio, acceptance=stats[k]['accepted']
+                              / max(1, stats[k]['checked']), speculative_ms=t[tag + f'k{k}'] * 1e3,
+                              fixed_ms=t[tag + 'fixed'] * 1e3, weight_bytes=weights, exceeds_cache=big,
+                              target='>= 1.0x' if big else 'report', met=ratio >= 1.0 if big else None))
+    checked = [c['met'] for c in cases if c['met'] is not None]
+    return {'speculative': dict(cases=cases, target='>= 1.0x where the weights exceed the cache',
+                                met=all(checked) if checked else None, cache_bytes=l3, gamma=spec['gamma'],
+                                weights='untrained (random, GPT-2 init)', config=dict(spec))}
+
+
 # seconds of each row at the cpu size on a 2-core laptop CPU, (fp32 part, bf16 part), from a run on a busy
 # 2-core Xeon (5m26s there, load ~4) halved: only the ETA's weights, which it scales by the rows so far
 COST = {'untied_vs_looped': (26, 0), 'peak_memory': (7, 0), 'step_time': (8, 0), 'kv_cache': (27, 0),
         'compile': (3, 0), 'mfu': (1, 1), 'vs_plain': (3, 3), 'bf16': (0, 0), 'mfu_dtype': (0, 0),
-        'attention': (35, 35), 'profile': (8, 7)}
+        'attention': (35, 35), 'profile': (8, 7), 'decode_policies': (18, 0), 'cache_memory': (0, 0),
+        'past_block': (5, 0), 'speculative': (5, 0)}
 COMPILE_COST = (120, 60)  # row 6 with --compile
 
 # (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model,
@@ -761,7 +981,9 @@ COMPILE_COST = (120, 60)  # row 6 with --compile
 MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), ('step_time', row_step_time),
                 ('kv_cache', row_decode), ('compile', row_compile), ('mfu', row_mfu), ('vs_plain', row_plain),
                 ('bf16', row_bf16), ('mfu_dtype', row_mfu_dtype), ('attention', row_attention),
-                ('profile', row_profile))
+                ('profile', row_profile), ('decode_policies', row_policies),
+                ('cache_memory', row_cache_memory),
+                ('past_block', row_past_block), ('speculative', row_speculative))
 
 
 # -----------------------------------------------------------------------------
@@ -874,10 +1096,41 @@ def cells_profile(row):
              'report', None) for d in dtypes(row)]
 
 
+def cells_policies(row):
+    R = row['config']['n_loop']
+    return [(f"adaptive / fixed tok/s d{c['n_embd']} B{c['batch_size']} {c['policy']}; loops",
+             f"{c['ratio']:.2f}x={c['of_ideal']:.2f} ideal; {c['mean_loops']:.2f}/{R}", c['target'], c['met'])
+            for c in row['cases']]
+
+
+def cells_cache_memory(row):
+    mib = row['mib']
+    return [(f"KV cache MiB at R = 4/8/16, {p}" + (f" ({row['kv_slots']} slots)" if p == 'shared' else ''),
+             '/'.join(f"{mib[f'{p}_r{R}']:.2f}" for R in (4, 8, 16)),
+             row['target'] if p == 'shared' else 'report', row['met'] if p == 'shared' else None)
+            for p in KV_POLICIES]
+
+
+def cells_past_block(row):
+    bs, n = row['config']['block_size'], row['new_tokens']
+    return [(f"per-token time past / inside the block ({bs}, {n} new)",
+             f"{row['ratio']:.2f} ({row['past_ms']:.1f}/{row['inside_ms']:.1f} ms)", row['target'],
+             row['met']),
+            f"({row['refills']} refills)"]
+
+
+def cells_speculative(row):
+    cells = [(f"speculative / fixed-R tok/s d{c['n_embd']} k {c['draft_loops']} g {row['gamma']}; accepted",
+              f"{c['ratio']:.2f}x; {c['acceptance']:.2f}", c['target'], c['met']) for c in row['cases']]
+    return cells + [f"(weights {row['weights']}: the acceptance says nothing of a trained model)"]
+
+
 TABLE = (('untied_vs_looped', cells_untied), ('peak_memory', cells_memory), ('step_time', cells_step_time),
          ('kv_cache', cells_kv_cache), ('adaptive_exit', cells_adaptive), ('compile', cells_compile),
          ('mfu', cells_mfu), ('vs_plain', cells_plain), ('bf16', cells_bf16), ('mfu_dtype', cells_mfu_dtype),
-         ('attention', cells_attention), ('profile', cells_profile))
+         ('attention', cells_attention), ('profile', cells_profile), ('decode_policies', cells_policies),
+         ('cache_memory', cells_cache_memory), ('past_block', cells_past_block),
+         ('speculative', cells_speculative))
 
 
 def table_line(i, what, value, target, met):

@@ -179,3 +179,75 @@ def test_cached_decoding_is_faster_than_uncached_at_a_length_where_it_must_be():
                     repeats=1, compile=False)
     kv = bench.row_decode(run)['kv_cache']
     assert kv['ratio'] > 2, kv
+
+
+DECODING_ROWS = ('decode_policies', 'cache_memory', 'past_block', 'speculative')
+
+
+def tiny(**size):
+    return bench.Run(size=dict(bench.SIZES['tiny'], **size), device=torch.device('cpu'), warmup=0, repeats=1,
+                     compile=False)
+
+
+def test_decoding_rows_are_in_the_plan_and_the_table(tiny_run):
+    res = tiny_run[0]
+    assert [name for name, *_ in bench.plan(tiny())][-4:] == list(DECODING_ROWS)
+    assert [name for name, _ in bench.TABLE][-4:] == list(DECODING_ROWS)
+    assert set(DECODING_ROWS) <= set(bench.COST)
+    for name in DECODING_ROWS:
+        assert 'error' not in res['rows'][name], res['rows'][name]
+    for says in ('adaptive / fixed tok/s', 'KV cache MiB at R = 4/8/16', 'past / inside the block',
+                 'speculative / fixed-R tok/s'):
+        assert says in res['table']
+    policies = res['rows']['decode_policies']['cases']
+    assert {c['policy'] for c in policies} == set(bench.KV_POLICIES)
+    assert {c['batch_size'] for c in policies} == set(bench.SIZES['tiny']['policies']['batches'])
+    R = bench.SIZES['tiny']['speculative']['n_loop']
+    assert [c['draft_loops'] for c in res['rows']['speculative']['cases']] == list(range(1, R))
+    assert all(0 <= c['acceptance'] <= 1 for c in res['rows']['speculative']['cases'])
+
+
+# stand-in medians by the last word of a timing's name: the prompt pass 0.1 s, fixed-R 1.1 s, ...
+FAKE = dict(prefill=0.1, fixed=1.1, recompute=0.6, copy=0.5, shared=0.35, active=0.85, k1=0.6, k2=2.1)
+
+
+def fake_side_by_side(fns, *args):
+    # the past-block row: 0.01 s per token inside the block, 0.015 s past it
+    spec = bench.SIZES['tiny']['past_block']
+    inside = spec['block_size'] - spec['prompt']
+    past = dict(inside=0.1 + (inside - 1) * 0.01)
+    past['all'] = past['inside'] + (4 * spec['block_size'] - inside) * 0.015
+    return {name: dict(FAKE, **past)[name.rsplit('_', 1)[-1]] for name in fns}
+
+
+def test_decoding_rows_ratios_are_the_ratios_of_their_times(monkeypatch):
+    monkeypatch.setattr(bench, 'side_by_side', fake_side_by_side)
+    run = tiny()
+    n = run.size['policies']['new_tokens']
+    row = bench.row_policies(run)['decode_policies']
+    for c in row['cases']:
+        assert c['ratio'] == pytest.approx(c['fixed_ms'] / c['adaptive_ms'])
+        assert c['ratio'] == pytest.approx((FAKE['fixed'] - 0.1) / (FAKE[c['policy']] - 0.1))
+        assert c['fixed_ms'] == pytest.approx((FAKE['fixed'] - 0.1) / (n - 1) * 1e3)
+        assert c['ideal'] == pytest.approx(row['config']['n_loop'] / c['mean_loops'])
+        assert c['of_ideal'] == pytest.approx(c['ratio'] / c['ideal'])
+        assert c['adaptive_tok_s'] == pytest.approx(c['batch_size'] * 1e3 / c['adaptive_ms'])
+    p = bench.row_past_block(run)['past_block']
+    assert p['ratio'] == pytest.approx(p['past_ms'] / p['inside_ms']) == pytest.approx(1.5)
+    assert p['inside_ms'] == pytest.approx(10.0) and p['refills'] >= 1
+    s = bench.row_speculative(run)['speculative']
+    for c in s['cases']:
+        assert c['ratio'] == pytest.approx(c['fixed_ms'] / c['speculative_ms'])
+        assert c['ratio'] == pytest.approx(1.0 / (FAKE[f"k{c['draft_loops']}"] - 0.1))
+        assert 0 <= c['acceptance'] <= 1
+
+
+def test_shared_cache_memory_is_equal_across_R():
+    for size in ('tiny', 'cpu'):
+        row = bench.row_cache_memory(tiny(**{'policies': bench.SIZES[size]['policies']}))['cache_memory']
+        mib = row['mib']
+        assert mib['shared_r4'] == mib['shared_r8'] == mib['shared_r16'] > 0 and row['met']
+        for p in ('recompute', 'copy'):  # every loop its own slots: R x the loop slots
+            assert mib[f'{p}_r16'] == pytest.approx(4 * mib[f'{p}_r4'])
+        assert mib['active_r4'] > mib['recompute_r4']  # and the mask of who reached each visit
+        assert row['ratio'] == 1.0
