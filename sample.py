@@ -25,32 +25,34 @@ from prepare import get_tokenizer, load_meta
 
 
 p = Parser('sample.py', __doc__)
-p.add_argument('--out_dir', default='out', help='folder holding ckpt.pt (or the path of a checkpoint file)')
-p.add_argument('--start', default='\n', help='prompt text, or FILE:path to read the prompt from a file')
+p.add_argument('--out_dir', default='out', help='folder holding ckpt.pt (or a checkpoint file)')
+p.add_argument('--start', default='\n', help='prompt text, or FILE:path to read it from a file')
 p.add_argument('--num_samples', type=int, default=3, help='number of samples to draw')
 p.add_argument('--max_new_tokens', type=int, default=500, help='tokens generated per sample')
-p.add_argument('--temperature', type=float, default=0.8, help='1.0 = as trained, < 1 sharper, 0 = greedy')
-p.add_argument('--top_k', type=int, default=200, help='keep only the top_k most likely tokens (0 = all)')
+p.add_argument('--temperature', type=float, default=0.8, help='1 = as trained, < 1 sharper, 0 = greedy')
+p.add_argument('--top_k', type=int, default=200, help='keep the top_k most likely tokens (0 = all)')
 p.add_argument('--seed', type=int, default=1337)
-p.add_argument('--device', default='auto', help='auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps')
-p.add_argument('--n_loop', type=int, default=None, help='loops per token (default: R from training); fewer = '
-               'early exit, more = extrapolation; with --exit_threshold, the most loops a token may use')
+p.add_argument('--device', default='auto', help='auto (cuda, then mps, then cpu), cpu, cuda:N, mps')
+p.add_argument('--n_loop', type=int, default=None,
+               help='loops per token (default: the trained R); fewer = early exit, more = '
+               'extrapolation; with --exit_threshold, the most loops a token may use')
 p.add_argument('--exit_threshold', type=float, default=None,
                help='adaptive exit: a token stops at the first loop whose confidence reaches this')
 p.add_argument('--exit_policy', default='maxprob', choices=EXIT_POLICIES,
-               help='adaptive exit score: max softmax prob, top1 - top2 logit margin, 1 - H/log V, kl (exit '
-               'when KL(previous exit || this exit) <= threshold), or gate (the learned gate\'s cumulative '
-               'exit probability)')
+               help='adaptive exit score: max softmax prob, top1 - top2 logit margin, 1 - H/log V, '
+               'kl (exit when KL(previous exit || this exit) <= threshold), or gate (the learned '
+               'gate\'s cumulative exit probability)')
 p.add_argument('--kv_policy', default='recompute', choices=KV_POLICIES,
-               help='what an exited token leaves in the cache slots of the loops it skips: recompute '
-               '(their K/V from its exit state), copy (its exit loop\'s K/V), shared (--kv_slots slots '
-               'per layer), active (nothing: a loop sees only the tokens that reached it); docs/decoding.md')
-p.add_argument('--kv_slots', type=int, default=None, help='kv_policy=shared: cache slots per layer (1..R)')
+               help='what an exited token leaves in the cache slots of the loops it skips: '
+               'recompute (their K/V from its exit state), copy (its exit loop\'s K/V), shared '
+               '(--kv_slots slots per layer), active (nothing: a loop sees only the tokens that '
+               'reached it); docs/decoding.md')
+p.add_argument('--kv_slots', type=int, default=None, help='kv_policy=shared: slots per layer (1..R)')
 p.add_argument('--draft_loops', type=int, default=None,
                help='self-speculative decoding: draft with this many loops, keep what the rest confirm')
-p.add_argument('--speculate', type=int, default=None, help='with --draft_loops: tokens per draft (default 4)')
+p.add_argument('--speculate', type=int, default=None, help='with --draft_loops: tokens per draft (4)')
 p.add_argument('--meta', default=None, help='a meta.json (or its folder) to decode with; default: '
-               'data/<dataset>/meta.json, else the copy in the checkpoint')
+               'data/<dataset>/meta.json, else the checkpoint\'s copy')
 
 
 def tokenizer_meta(args, ckpt, ckpt_path):
@@ -170,8 +172,10 @@ def main(argv=None):
         torch.cuda.manual_seed(args.seed)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    ptdtype = torch.bfloat16 if device_type == 'cuda' and torch.cuda.is_bf16_supported() else torch.float16
-    ctx = nullcontext() if device_type != 'cuda' else torch.autocast(device_type=device_type, dtype=ptdtype)
+    ptdtype = torch.bfloat16 if device_type == 'cuda' and torch.cuda.is_bf16_supported() else \
+        torch.float16
+    ctx = torch.autocast(device_type=device_type, dtype=ptdtype) if device_type == 'cuda' else \
+        nullcontext()
     model, decode, x = load(args, device)
 
     R = model.config.n_loop if args.n_loop is None else args.n_loop
@@ -200,20 +204,24 @@ def main(argv=None):
             print('---------------')
             loops.append(used.float().flatten())
     n = args.num_samples * args.max_new_tokens
-    if n == 0 or (args.exit_threshold is None and k is None and args.kv_policy == 'recompute'):
-        return  # plain fixed-depth decoding prints its samples only, the same for the same seed
+    if n and (args.exit_threshold is not None or k is not None or args.kv_policy != 'recompute'):
+        print(summary(args, R, n, seconds, torch.cat(loops), stats))
+    # plain fixed-depth decoding prints its samples only: the same text for the same seed
+
+
+def summary(args, R, n, seconds, used, stats):
+    # loops per generated token (the prompt always runs all R), speed, and accepted drafts
     line = f"{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
     if args.exit_threshold is not None:
-        # counts the generated tokens only (the prompt always runs all R loops)
-        used = torch.cat(loops)
-        line = (f"mean loops used per token: {used.mean().item():.2f} of {R} (min {used.min().item():.0f}, "
-                f"max {used.max().item():.0f}, {used.numel()} tokens); " + line)
+        line = (f"mean loops used per token: {used.mean().item():.2f} of {R} "
+                f"(min {used.min().item():.0f}, max {used.max().item():.0f}, {used.numel()} tokens); "
+                + line)
     else:
         line += f", {R} loops per token"
-    if k is not None and stats['checked']:
+    if args.draft_loops is not None and stats['checked']:
         line += (f", {stats['accepted']} of {stats['checked']} drafts accepted "
                  f"({stats['accepted'] / stats['checked']:.0%})")
-    print(line)
+    return line
 
 if __name__ == '__main__':
     main()
