@@ -293,6 +293,15 @@ def test_loop_eps_scales_prenorm_branches_by_lambda_over_R_sqrt_K_and_zero_is_of
 ATTN_IMPLS = ('sdpa', 'math', 'explicit')
 
 
+def assert_matches_in_value_and_gradient(y, expected, inputs, g):
+    # float64 attention against its hand-written reference, forward and backward
+    assert torch.allclose(y, expected, atol=1e-12)
+    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((y * w).sum(), inputs)
+    for got, want in zip(grads, torch.autograd.grad((expected * w).sum(), inputs)):
+        assert torch.allclose(got, want, atol=1e-12)
+
+
 @pytest.mark.parametrize('impl', ATTN_IMPLS)
 @pytest.mark.parametrize('Tq,Tk,causal', [(16, 16, True), (1, 9, False), (5, 5, False)])
 def test_every_attention_path_computes_masked_softmax_attention(impl, Tq, Tk, causal):
@@ -306,11 +315,7 @@ def test_every_attention_path_computes_masked_softmax_attention(impl, Tq, Tk, ca
         att = att.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool).tril().logical_not(), float('-inf'))
     expected = att.softmax(-1) @ v
     y = attention(q, k, v, causal, impl)
-    assert torch.allclose(y, expected, atol=1e-12)
-    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((y * w).sum(), (q, k, v))
-    for got, want in zip(grads, torch.autograd.grad((expected * w).sum(), (q, k, v))):
-        assert torch.allclose(got, want, atol=1e-12)
+    assert_matches_in_value_and_gradient(y, expected, (q, k, v), g)
 
 
 @pytest.mark.parametrize('impl', ('math', 'explicit'))
@@ -623,11 +628,7 @@ def test_every_attention_path_aligns_the_causal_mask_bottom_right_after_a_cache(
     sees = torch.tensor([[j <= Tk - Tq + i for j in range(Tk)] for i in range(Tq)])
     expected = att.masked_fill(~sees, float('-inf')).softmax(-1) @ v
     y = attention(q, k, v, True, impl)
-    assert torch.allclose(y, expected, atol=1e-12)
-    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((y * w).sum(), (q, k, v))
-    for got, want in zip(grads, torch.autograd.grad((expected * w).sum(), (q, k, v))):
-        assert torch.allclose(got, want, atol=1e-12)
+    assert_matches_in_value_and_gradient(y, expected, (q, k, v), g)
     with pytest.raises(AssertionError, match='queries'):
         attention(k, q[:, :, :0], v[:, :, :0], True, impl)  # more queries than keys
 
