@@ -53,6 +53,32 @@ def exit_score(logits, policy):
                      f"(kl and gate need an ExitScorer)")
 
 
+def check_decoding(R, policy, slots, k, speculate, exit_threshold):
+    """kv_policy, kv_slots, draft_loops (k) and speculate that make sense together at R loops:
+    ValueError, in the terms of sample.py's flags, for a combination that does not."""
+    def require(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+    require(slots is None or policy == 'shared',
+            f"--kv_slots={slots} sets the slots of --kv_policy=shared: add it, or drop --kv_slots")
+    require(policy != 'shared' or slots is not None,
+            f"--kv_policy=shared needs --kv_slots=N, the cache slots per layer (1..{R})")
+    require(policy != 'shared' or slots <= R,
+            f"--kv_slots={slots}: a token runs only {R} loops, so this model uses at most {R} slots")
+    require(policy not in ('copy', 'active') or exit_threshold is not None or k is not None,
+            f"--kv_policy={policy} decides what exited tokens leave in the cache: add --exit_threshold")
+    require(speculate is None or k is not None,
+            f"--speculate={speculate} is the draft length of self-speculative decoding: add --draft_loops")
+    if k is None:
+        return
+    require(k < R, f"--draft_loops={k}: drafts must use fewer loops than the {R} each token runs "
+            f"(1..{R - 1})")
+    require(exit_threshold is None,
+            "--draft_loops: self-speculative decoding gives fixed-depth tokens; drop --exit_threshold")
+    require(policy != 'shared',
+            "--draft_loops: verifying drafts needs every loop's own cache slots; drop --kv_policy=shared")
+
+
 class ExitScorer:
     """score(z_k, logits_k) -> (...), called for exits k = 1, 2, ... in order: how ready each
     position is to stop at exit k (higher = readier). 'kl' scores -KL(p_{k-1} || p_k) between

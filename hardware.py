@@ -5,12 +5,15 @@ Hardware policy: what this machine can run fast, decided in one place, outside t
     cpu_bf16_units()            the CPU's native bf16 matrix instructions, or None
     peak_flops(device_name)     a GPU's bf16 datasheet peak, for MFU
     attention_path(...)         the attention kernel attn_impl='auto' stands for
+    pick_device(name)           the torch device a --device flag names, if this machine has it
     flush_denormals()           fp32 values below 2^-126 count as zero on this CPU (much faster)
 
 Every choice here changes speed only, never the model's result (the tests check that every attention path
 computes the same thing).
 """
 import torch
+
+from errors import die
 
 
 # the longest key length at which explicit attention beat the CPU flash kernel in bf16 (measured forward +
@@ -77,3 +80,17 @@ def flush_denormals():
     Intel CPUs: measured, one per-loop training step at GPT-2's vocabulary took 60 s instead of
     2.6 s, with the same loss. Call it before the first parallel op, so torch's threads inherit it."""
     torch.set_flush_denormal(True)
+
+
+def pick_device(name):
+    """(device, device_type) for --device, or a one-line error if this machine does not have it."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    try:
+        device_type = torch.device(name).type
+    except RuntimeError:
+        die(f"--device={name}: not a torch device; use auto, cpu, cuda, cuda:N or mps")
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if not available.get(device_type, False):
+        die(f"--device={name}: not available on this machine; use --device=cpu or auto")
+    return name, device_type

@@ -20,7 +20,8 @@ import torch
 
 import checkpoint
 from errors import Parser, die
-from engine import EXIT_POLICIES, KV_POLICIES, generate, score_threshold
+from engine import EXIT_POLICIES, KV_POLICIES, check_decoding, generate, score_threshold
+from hardware import pick_device
 from prepare import get_tokenizer, load_meta
 
 
@@ -107,44 +108,6 @@ def check_exit(args, config):
         die(f"--{e}")
 
 
-def check_decoding(args, R):
-    """--kv_policy, --kv_slots, --draft_loops and --speculate that make sense together at R loops."""
-    policy, slots, k = args.kv_policy, args.kv_slots, args.draft_loops
-    if slots is not None and policy != 'shared':
-        die(f"--kv_slots={slots} sets the slots of --kv_policy=shared: add it, or drop --kv_slots")
-    if policy == 'shared' and slots is None:
-        die(f"--kv_policy=shared needs --kv_slots=N, the cache slots per layer (1..{R})")
-    if policy == 'shared' and slots > R:
-        die(f"--kv_slots={slots}: a token runs only {R} loops, so this model uses at most {R} slots")
-    if policy in ('copy', 'active') and args.exit_threshold is None and k is None:
-        die(f"--kv_policy={policy} decides what exited tokens leave in the cache: add --exit_threshold")
-    if args.speculate is not None and k is None:
-        die(f"--speculate={args.speculate} is the draft length of self-speculative decoding: "
-            f"add --draft_loops")
-    if k is None:
-        return
-    if k >= R:
-        die(f"--draft_loops={k}: drafts must use fewer loops than the {R} each token runs (1..{R - 1})")
-    if args.exit_threshold is not None:
-        die("--draft_loops: self-speculative decoding gives fixed-depth tokens; drop --exit_threshold")
-    if policy == 'shared':
-        die("--draft_loops: verifying drafts needs every loop's own cache slots; drop --kv_policy=shared")
-
-
-def pick_device(name):
-    """(device, device_type) for --device, or a one-line error if this machine does not have it."""
-    if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    try:
-        device_type = torch.device(name).type
-    except RuntimeError:
-        die(f"--device={name}: not a torch device; use auto, cpu, cuda, cuda:N or mps")
-    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if not available.get(device_type, False):
-        die(f"--device={name}: not available on this machine; use --device=cpu or auto")
-    return name, device_type
-
-
 def load(args, device):
     """The model on `device`, the tokenizer and the encoded prompt x (1, T) that args name."""
     start = read_start(args.start)  # before the (slow) checkpoint load: a typo in the path fails at once
@@ -179,7 +142,11 @@ def main(argv=None):
     model, decode, x = load(args, device)
 
     R = model.config.n_loop if args.n_loop is None else args.n_loop
-    check_decoding(args, R)
+    try:
+        check_decoding(R, args.kv_policy, args.kv_slots, args.draft_loops, args.speculate,
+                       args.exit_threshold)
+    except ValueError as e:
+        die(str(e))
     k = args.draft_loops
     gamma = None if k is None else args.speculate or 4
     mode = (f"adaptive exit ({args.exit_policy} >= {args.exit_threshold}, at most {R} loops)"

@@ -64,7 +64,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 from errors import Parser, die, duration
-from hardware import attention_path, auto_dtype, cpu_bf16_units, peak_flops
+from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
 from engine import KV_POLICIES, KVCache, exit_score, generate
 from model import GPT, GPTConfig, LinearCrossEntropy
 
@@ -1280,11 +1280,9 @@ def measure_all(run, res, out_path, only=()):
 
 def main(argv=None):
     args = parse_args(argv)
-    # flush denormals to zero, before torch's thread pool starts (its threads inherit the setting): an
-    # untrained head's softmax gradient at V = 50,257 (rows 2 and 3) is full of them, and they made its
-    # matmuls ~20x slower on an Intel CPU (a per-loop step 90 s instead of 4; rows 2 and 3 took over 20
-    # minutes on a busy 2-core one). Values below 1e-38 change no number here.
-    torch.set_flush_denormal(True)
+    # before torch's thread pool starts: an untrained head's softmax gradient at V = 50,257 (rows 2
+    # and 3) is full of denormals, which took those rows over 20 minutes on a busy 2-core Intel CPU
+    flush_denormals()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mem_child is not None:  # row 2's child process: one measurement, printed as JSON

@@ -29,7 +29,8 @@ import checkpoint
 from engine import generate
 from errors import Parser, die, duration, first_line
 from prepare import get_tokenizer
-from sample import pick_device, tokenizer_meta
+from hardware import pick_device
+from sample import tokenizer_meta
 
 try:
     import lm_eval
