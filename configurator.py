@@ -36,6 +36,7 @@ MODEL_CHOICES = dict(
     block=('preln', 'postln', 'sandwich'),
     attn_impl=('auto', 'sdpa', 'math', 'explicit'),
     injection=('none', 'add', 'concat'),
+    adapter_init=('identity', 'default'),
     loop_sampling=('fixed', 'poisson_lognormal'),
     exit_gate=('none', 'learned'),
 )

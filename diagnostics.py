@@ -124,8 +124,9 @@ def rescale_rms(h, ref):
 
 def clamped_states(model, idx, n_loop=None, clamp='none'):
     """The loop states h_1..h_R of idx, with an inference-time clamp from loop 2 on (loop 1 is left alone:
-    its 'update' maps the embedding into the loop). clamp='radial': each loop's update loses its radial
-    part relative to the state that entered the loop; clamp='freeze': each state is rescaled to loop 1's
+    its 'update' maps the embedding into the loop). clamp='radial': each loop's update h_k - h_{k-1} loses
+    its radial part along h_{k-1}, the previous loop's state before the inter-loop norm and injection (as the
+    reference code measures it); clamp='freeze': each state is rescaled to loop 1's
     per-token RMS. The clamped state is what is read out and what enters the next loop."""
     assert clamp in CLAMPS, f"clamp={clamp!r}: choose one of {', '.join(CLAMPS)}"
     R = model.config.n_loop if n_loop is None else n_loop
@@ -134,10 +135,10 @@ def clamped_states(model, idx, n_loop=None, clamp='none'):
     for k in range(1, R + 1):
         _, h = loops.send(sent)
         if k > 1 and clamp == 'radial':
-            h = remove_radial(h, x_in)
+            h = remove_radial(h, h_prev)
         elif k > 1 and clamp == 'freeze':
             h = rescale_rms(h, states[0])
         states.append(h)
         if clamp != 'none':  # the clamped h_k enters loop k+1, through the model's own carry
-            x_in, sent = model.carry(h, e), (h, e)
+            h_prev, sent = h, (h, e)
     return states

@@ -62,6 +62,7 @@ class GPTConfig:
     n_prelude: int = 0             # untied blocks before the loop; their output e is re-injected
     n_coda: int = 0                # untied blocks after every exit, before the readout norm
     injection: str = 'none'        # how e re-enters loops 2..R: none | add | concat (W [x; e])
+    adapter_init: str = 'identity'  # concat's W at init: identity ([I 0], iso-depth) | default (Huginn)
     loop_sampling: str = 'fixed'   # R per training step: fixed | poisson_lognormal (mean R + 1)
     max_loop: int = 0              # cap on the sampled R; 0 = 4 x n_loop
     backprop_loops: int = 0        # gradients through the last this many loops only; 0 = all
@@ -365,13 +366,12 @@ class GPT(nn.Module):
             # the initial state norm is about sqrt(C) (docs/papers.md §1)
             nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
         else:
-            # nanoGPT: N(0, 0.02), residual projections scaled by 1/sqrt(2N). Under depth scaling
-            # beta does that job instead (§2, as DeepNorm's reference), so c_proj is scaled once.
-            resid = 1.0 if cfg.beta != 1.0 else 1.0 / math.sqrt(2 * cfg.n_unrolled)
-            for name, p in self.named_parameters():
+            # N(0, 0.02) for every matrix and no residual scaling: DeepLoop's baseline ("standard init,
+            # no residual scaling", docs/papers.md §2), the same at every R. Depth scaling then only
+            # multiplies by beta below, so p -> 0 meets p = 0. (GPT-2's own 1/sqrt(2N) is not used.)
+            for p in self.parameters():
                 if p.dim() == 2:
-                    std = 0.02 * resid if name.endswith('c_proj.weight') else 0.02
-                    nn.init.normal_(p, mean=0.0, std=std)
+                    nn.init.normal_(p, mean=0.0, std=0.02)
         # docs/papers.md §2: beta is an init-only gain on W_v, the attention output projection and
         # every MLP matrix (not on W_q, W_k or the embeddings)
         if cfg.beta != 1.0:
@@ -379,8 +379,8 @@ class GPT(nn.Module):
                 block.attn.c_attn.weight[2 * C:] *= cfg.beta   # the W_v rows of the q|k|v matrix
                 for lin in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
                     lin.weight *= cfg.beta
-        if cfg.injection == 'concat':
-            # docs/papers.md §4: W = [I 0], so at first W [x; e] = x passes the state through
+        if cfg.injection == 'concat' and cfg.adapter_init == 'identity':
+            # docs/papers.md §3 (iso-depth): W = [I 0], so at first W [x; e] = x passes the state through
             eye = torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1)
             self.transformer.adapter.weight.copy_(eye)
 
@@ -459,17 +459,19 @@ class GPT(nn.Module):
         return min(int(torch.poisson(tau.exp(), generator=generator).item()) + 1, cfg.loop_cap)
 
     # ---- the readout ----
-    def readout_norm(self, h, k):
+    def readout_norm(self, h, k, R=None):
         # docs/papers.md §1: an RMSNorm/LayerNorm readout is scale-invariant, so dL/dh is orthogonal
-        # to h and the loss cannot see ||h||. 'raw' shows the scale; 'final_only' at exits 1..R-1.
+        # to h and the loss cannot see ||h||. 'raw' shows the scale; 'final_only' at exits 1..R-1,
+        # R the loops of this pass (a sampled depth's, in training), by default the trained n_loop
         cfg = self.config
-        if cfg.readout == 'raw' or (cfg.readout == 'final_only' and k < cfg.n_loop):
+        R = cfg.n_loop if R is None else R
+        if cfg.readout == 'raw' or (cfg.readout == 'final_only' and k < R):
             return h
         return self.transformer.ln_out(h)
 
-    def head_input(self, h, k, cache=None, pos=0):
+    def head_input(self, h, k, cache=None, pos=0, R=None):
         # z_k, what the LM head and the exit gate read at exit k: the coda, then the readout norm
-        return self.readout_norm(self.untied('coda', h, cache, pos), k)
+        return self.readout_norm(self.untied('coda', h, cache, pos), k, R)
 
     def readout(self, h, k):
         # the logits of exit k (1-based) from its state h_k: (..., C) -> (..., V)
@@ -505,7 +507,7 @@ class GPT(nn.Module):
         # the weighted exit CEs (or the gate's expected CE) of the loop states + the norm penalty
         weights = self.exit_weights(len(states))
         exits = [k for k, w in enumerate(weights, start=1) if w > 0]
-        zs = [self.head_input(states[k - 1], k) for k in exits]
+        zs = [self.head_input(states[k - 1], k, R=len(states)) for k in exits]
         if self.config.exit_gate == 'learned':
             loss = self.gate_loss(zs, targets)
         else:

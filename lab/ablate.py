@@ -4,7 +4,9 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
 (docs/papers.md §1, §2, §3):
 
     python lab/ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
-    python lab/ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, 2 LRs
+    python lab/ablate.py matched     # paper 1's matched-depth claim: 4 per-loop arms, 1,000 steps, 3 seeds
+    python lab/ablate.py init_gpt2   # the blind-spot pair under GPT-2's init, 3 seeds
+    python lab/ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 3, 5, 7}, 2 LRs
     python lab/ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
     python lab/ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10k steps
     python lab/ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm
@@ -78,9 +80,10 @@ DEEPLOOP_VARIANTS = [  # (name, block, depth_scaling): docs/papers.md §2's alph
     ('sandwich_p0.5', 'sandwich', 'deeploop'),   # p = 1/2 (DeepLoop)
 ]
 
-DEEPLOOP_RS = (1, 4, 8)       # loop counts at fixed K
+DEEPLOOP_RS = (1, 3, 5, 7)    # the paper's loop counts at fixed K (docs/papers.md §2)
 DEEPLOOP_LRS = (1e-3, 3e-3)   # post-norm blocks are far more LR-sensitive than pre-norm ones
 KAPPA_RS = (1, 2, 4, 8)       # loop counts of the kappa_R and LR-transfer sweeps (gamma from kappa_R vs R)
+KAPPA_SEED = 11               # not a seed of the deeploop sweep, so its runs are other evidence
 KAPPA_LR = 3e-3               # the deeploop sweep's LR where sandwich p = 0 stays on the floor at R >= 4
 LR_TRANSFER_LRS = (3e-4, 1e-3, 3e-3, 1e-2)   # Wang et al.'s claim (docs/papers.md §3): with eps, one best LR
 ESCAPE_PS = (0, 0.25, 0.30, 0.40, 0.50, 0.60)  # docs/papers.md §2's p-sweep at R = 3 (p = 0, 1/4 added)
@@ -103,16 +106,15 @@ PRESETS = {
             arm('loop_raw_gpt2', 'config/loop_raw.py', init='gpt2'),
         ]),
     'deeploop': dict(
-        title="Paper 2, DeepLoop trainability: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 4, 8}, "
-              "two LRs",
-        laptop='config/laptop_deeploop.py', seeds=(1, 2), eval_depth=False, report='deeploop',
+        title="Paper 2, DeepLoop: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 3, 5, 7}, two LRs",
+        laptop='config/laptop_deeploop.py', seeds=(1, 2, 3), eval_depth=False, report='deeploop',
         arms=[arm(f'{v}-R{R}-lr{lr:g}', block=block, depth_scaling=ds, n_loop=R, learning_rate=lr,
                   tags=dict(variant=v, R=R, lr=lr))
               for lr in DEEPLOOP_LRS for R in DEEPLOOP_RS for v, block, ds in DEEPLOOP_VARIANTS]),
     'kappa': dict(
         title="Visit alignment kappa_R over training: pre-norm and sandwich p in {0, 1/4, 1/2}, "
               "R in {1, 2, 4, 8}",
-        laptop='config/laptop_deeploop.py', seeds=(1,), eval_depth=False, report='kappa',
+        laptop='config/laptop_deeploop.py', seeds=(KAPPA_SEED,), eval_depth=False, report='kappa',
         arms=[arm(f'{v}-R{R}', block=block, depth_scaling=ds, n_loop=R, learning_rate=KAPPA_LR,
                   log_kappa=True, tags=dict(variant=v, R=R))
               for R in KAPPA_RS for v, block, ds in DEEPLOOP_VARIANTS]),
@@ -144,6 +146,7 @@ PRESETS['recurrent'] = dict(
         arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
         arm('inject_add', 'config/loop_rmsnorm.py', injection='add'),
         arm('random_depth', 'config/loop_rmsnorm.py', injection='add', **RANDOM_DEPTH),
+        arm('recurrent_preln', 'config/loop_rmsnorm.py', 'config/recurrent_preln.py', n_loop=3),
         arm('huginn', 'config/loop_rmsnorm.py', 'config/huginn.py', n_loop=3),
         arm('ouro', 'config/loop_rmsnorm.py', 'config/ouro.py'),
     ])
@@ -153,6 +156,20 @@ PRESETS['growing'] = dict(
     laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report='growing',
     arms=[arm('loop_rmsnorm', 'config/loop_rmsnorm.py', **GROWING),
           arm('loop_raw', 'config/loop_raw.py', **GROWING)])
+# paper 1's abstract: scale-controlled variants reach a lower perplexity at matched inference depth. The
+# per-loop arms, longer than the blind-spot sweep and on three seeds (docs/papers.md §1)
+MATCHED = dict(max_iters=1000, eval_interval=50)
+PRESETS['matched'] = dict(
+    title="Paper 1, matched inference depth: per-loop RMSNorm vs the scale-controlled readouts, 1,000 steps",
+    laptop='config/laptop_blindspot.py', seeds=(1, 2, 3), eval_depth=True, report='matched',
+    arms=[arm(n, f'config/{n}.py', **MATCHED)
+          for n in ('loop_rmsnorm', 'loop_raw', 'loop_final_only', 'loop_penalty')])
+# the blind-spot pair under GPT-2's init, where the order of the norms flips (three seeds)
+PRESETS['init_gpt2'] = dict(
+    title="Paper 1 under init=gpt2: per-loop RMSNorm vs raw readout, three seeds",
+    laptop='config/laptop_blindspot.py', seeds=(1337, 1, 2), eval_depth=True, report='blindspot',
+    arms=[arm('loop_rmsnorm_gpt2', 'config/loop_rmsnorm.py', init='gpt2'),
+          arm('loop_raw_gpt2', 'config/loop_raw.py', init='gpt2')])
 LONG = dict(max_iters=2000, eval_interval=50)
 PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
     title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",

@@ -318,6 +318,10 @@ def halting_row(name, runs):
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
+def matched_report(arms, header, report_dir, prefix):
+    return blindspot_report(arms, header, report_dir, prefix)
+
+
 def recurrent_report(arms, header, report_dir, prefix):
     lines = header + [
         "### Test-time depth: val CE (eval_depth, fixed depth) at loops "
@@ -747,6 +751,8 @@ def write_report(preset_name, preset, jobs, args, sweep):
         if preset['report'] in ('deeploop', 'kappa', 'escape') else None
     if preset['report'] == 'blindspot':
         lines = blindspot_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'matched':
+        lines = matched_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'recurrent':
         lines = recurrent_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'growing':

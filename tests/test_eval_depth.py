@@ -71,15 +71,17 @@ def test_freeze_clamped_state_is_what_enters_the_next_loop(loop_norm):
 
 @pytest.mark.parametrize('loop_norm', ['none', 'rmsnorm'])
 def test_radial_clamp_removes_the_radial_update_and_feeds_the_clamped_state_forward(loop_norm):
-    # x_k = ln_loop(h_{k-1}) enters loop k; h_k = loop(x_k) minus the update's component along x_k
+    # x_k = ln_loop(h_{k-1}) enters loop k; the update is h_k - h_{k-1} measured from the state before the
+    # inter-loop norm (the reference code's h_prev), and loses its component along h_{k-1}
     model = tiny(n_loop=4, inter_loop_norm=loop_norm)
     X, _ = batch()
     with torch.no_grad():
         hs = [blocks(model, model.embed(X))]
         for _ in range(3):
-            x = model.transformer.ln_loop(hs[-1])
-            delta = blocks(model, x) - x
-            hs.append(x + delta - (delta * x).sum(-1, keepdim=True) / x.pow(2).sum(-1, keepdim=True) * x)
+            prev = hs[-1]
+            delta = blocks(model, model.transformer.ln_loop(prev)) - prev
+            along = (delta * prev).sum(-1, keepdim=True) / prev.pow(2).sum(-1, keepdim=True) * prev
+            hs.append(prev + delta - along)
         clamped = diagnostics.clamped_states(model, X, clamp='radial')
         for k, (a, b) in enumerate(zip(clamped, hs), start=1):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), k

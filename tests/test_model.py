@@ -199,22 +199,31 @@ def test_deeploop_beta_scales_only_value_output_and_mlp():
 
 @pytest.mark.parametrize('block,scaling,mlp', [
     ('sandwich', 'deeploop', 'gelu'), ('postln', 'deepnorm', 'gelu'), ('sandwich', 'deepnorm', 'swiglu'),
-    ('sandwich', 'none', 'gelu'), ('preln', 'none', 'swiglu')])
-def test_gpt2_init_under_depth_scaling_gives_every_beta_matrix_std_0_02_beta(block, scaling, mlp):
-    # docs/papers.md §2: with depth scaling beta replaces GPT-2's 1/sqrt(2N) on the residual projections
-    # (a plain N(0, 0.02), then beta, as in DeepNorm's reference); without it GPT-2's rule stays
+    ('sandwich', 'none', 'gelu'), ('preln', 'none', 'swiglu'), ('sandwich', 1e-6, 'gelu')])
+def test_gpt2_init_is_n_0_0_02_times_beta_so_the_family_is_continuous_in_p(block, scaling, mlp):
+    # docs/papers.md §2: N(0, 0.02) everywhere, then beta on V, W_o and the MLP matrices; no other
+    # residual scaling, so p = 0 is the p -> 0 member and the baseline's init does not depend on R
     m = tiny(init='gpt2', block=block, depth_scaling=scaling, mlp=mlp, n_embd=256, n_head=4, n_layer=4)
     cfg, C = m.config, 256
-    beta, gpt2_resid = cfg.beta, 1 / math.sqrt(2 * cfg.n_unrolled)  # N = 4 * 3 = 12 unrolled blocks
-    assert (beta < 1) == (scaling != 'none')
+    beta = cfg.beta
+    assert (beta < 0.999) == (scaling not in ('none', 1e-6))
     for b in m.transformer.h:
         expected = [(b.attn.c_attn.weight[:2 * C], 0.02),            # Q, K: never scaled
                     (b.attn.c_attn.weight[2 * C:], 0.02 * beta),     # V
                     (b.mlp.c_fc.weight, 0.02 * beta),
-                    (b.attn.c_proj.weight, 0.02 * (beta if scaling != 'none' else gpt2_resid)),
-                    (b.mlp.c_proj.weight, 0.02 * (beta if scaling != 'none' else gpt2_resid))]
+                    (b.attn.c_proj.weight, 0.02 * beta),
+                    (b.mlp.c_proj.weight, 0.02 * beta)]
         for w, std in expected:
             assert abs(w.std().item() / std - 1) < 0.03, (w.shape, w.std().item(), std)
+
+
+@pytest.mark.parametrize('R', [1, 4, 8])
+def test_pre_norm_baseline_init_does_not_depend_on_the_loop_count(R):
+    # the paper's baseline is "standard init, no residual scaling": the same weights at every R
+    m = tiny(init='gpt2', n_loop=R, n_embd=256, n_head=4)
+    ref = tiny(init='gpt2', n_loop=1, n_embd=256, n_head=4)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
 
 def rms_norm(x, norm):
     # RMSNorm written out (eps 1e-6 as in the reference code), with that norm module's learned gain
