@@ -148,9 +148,8 @@ class CausalSelfAttention(nn.Module):
         # q, k, v in one matrix
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.attn_dropout = config.dropout
+        self.attn_dropout = config.dropout  # on the attention weights; none after c_proj, as paper 1's code
         self.attn_impl = config.attn_impl
-        self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -171,7 +170,7 @@ class CausalSelfAttention(nn.Module):
             k, v = kv.update(k, v, pos)
         y = attention(q, k, v, T > 1, self.attn_impl, self.attn_dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):

@@ -6,7 +6,7 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
     python lab/ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python lab/ablate.py matched     # paper 1's matched-depth claim: 4 per-loop arms, 1,000 steps, 3 seeds
     python lab/ablate.py init_gpt2   # the blind-spot pair under GPT-2's init, 3 seeds
-    python lab/ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 3, 5, 7}, 2 LRs
+    python lab/ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R 1/3/5/7, 2 LRs
     python lab/ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
     python lab/ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10k steps
     python lab/ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm

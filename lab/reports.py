@@ -318,8 +318,74 @@ def halting_row(name, runs):
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
+# -----------------------------------------------------------------------------
+# matched inference depth (paper 1's abstract): the best val PPL an arm reaches within a loop budget
+
+MATCHED_BUDGETS = (1, 1.5, 2, 2.5, 3, 4)  # average loops per sequence
+BASELINE_ARM = 'loop_rmsnorm'             # the scale-invariant readout the fixes are compared with
+
+
+def ppl_within(d, budget):
+    """The lowest val PPL among an eval_depth run's operating points with at most `budget` average loops:
+    the fixed exits 1..R and every adaptive-exit threshold of every score (thresholds over all windows)."""
+    R = d['n_loop']
+    pts = list(zip(range(1, R + 1), d['fixed']['ppl'][:R]))
+    for curve in d['adaptive'].values():
+        pts += list(zip(curve['avg_loops'], curve['ppl']))
+    ok = [ppl for loops, ppl in pts if ppl is not None and loops <= budget + 1e-9]
+    return min(ok) if ok else None
+
+
+def by_seed(runs):
+    return {r['seed']: r['depth'] for r in runs if r['depth']}
+
+
+def matched_verdict(deltas):
+    # deltas: per budget, the per-seed PPL differences against the baseline (negative: the fix is better)
+    every = [x for ds in deltas for x in ds]
+    if not every:
+        return 'not tested'
+    if all(x < 0 for x in every):
+        return 'reproduces (lower at every budget in every seed)'
+    if all(mean(ds) < 0 for ds in deltas if ds):
+        return 'direction only (lower on the mean at every budget, not in every seed)'
+    return 'does not reproduce (not lower at every budget)'
+
+
+def matched_tables(arms):
+    cols = ' | '.join(f'≤ {b:g}' for b in MATCHED_BUDGETS)
+    lines = ["### Matched inference depth: the lowest val PPL within a budget of average loops", "",
+             "Operating points: the fixed exits and every adaptive-exit threshold (max-prob, margin, "
+             "entropy; thresholds at score quantiles over all validation windows, so not calibrated). "
+             "Mean over seeds (each seed in brackets).", "",
+             f"| arm | seeds | {cols} |", "|---|---|" + "---|" * len(MATCHED_BUDGETS)]
+    for name, runs in arms.items():
+        ds = by_seed(runs)
+        cells = []
+        for b in MATCHED_BUDGETS:
+            vals = [ppl_within(d, b) for d in ds.values()]
+            cells.append(f"{fmt(mean(vals), '.3f')} ({' / '.join(fmt(v, '.3f') for v in vals)})")
+        lines.append(f"| {name} | {len(ds)} | " + ' | '.join(cells) + " |")
+    base = by_seed(arms.get(BASELINE_ARM, []))
+    lines += ["", f"PPL minus {BASELINE_ARM}'s at the same budget, paired by seed: mean (seeds lower), and "
+              "the verdict on paper 1's claim (scale-controlled variants reach a lower PPL at matched "
+              "depth):", "",
+              f"| arm | {cols} | verdict |", "|---|" + "---|" * (len(MATCHED_BUDGETS) + 1)]
+    for name, runs in arms.items():
+        if name == BASELINE_ARM:
+            continue
+        ds, deltas, cells = by_seed(runs), [], []
+        for b in MATCHED_BUDGETS:
+            pairs = [(ppl_within(d, b), ppl_within(base[s], b)) for s, d in ds.items() if s in base]
+            dd = [x - y for x, y in pairs if x is not None and y is not None]
+            deltas.append(dd)
+            cells.append(f"{fmt(mean(dd), '+.3f')} ({sum(x < 0 for x in dd)}/{len(dd)})")
+        lines.append(f"| {name} | " + ' | '.join(cells) + f" | {matched_verdict(deltas)} |")
+    return lines + [""]
+
+
 def matched_report(arms, header, report_dir, prefix):
-    return blindspot_report(arms, header, report_dir, prefix)
+    return header + matched_tables(arms) + blindspot_report(arms, [], report_dir, prefix)
 
 
 def recurrent_report(arms, header, report_dir, prefix):
@@ -471,12 +537,42 @@ def plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix):
     return save(fig, plt, report_dir, f'{prefix}_loss.png')
 
 
+def std(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    m = mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
+
+
+def versus_baseline(runs, variants, Rs, lrs):
+    """Each variant's mean final loss and its difference from the first variant (the baseline) at the same
+    R and LR, paired by seed: the paper's claim is "neutral at R = 1, better once blocks are revisited"."""
+    base = variants[0]
+    lines = [f"Mean ± sd over seeds, and the difference from {base} paired by seed (seeds where the variant "
+             "is lower):", "",
+             "| variant | " + " | ".join(f"R={R}, lr={lr:g}" for lr in lrs for R in Rs) + " |",
+             "|---|" + "---|" * (len(Rs) * len(lrs))]
+    for v in variants:
+        cells = []
+        for lr in lrs:
+            for R in Rs:
+                own = {r['seed']: final_loss(r) for r in runs_of(runs, variant=v, R=R, lr=lr)}
+                ref = {r['seed']: final_loss(r) for r in runs_of(runs, variant=base, R=R, lr=lr)}
+                cell = f"{fmt(mean(list(own.values())), '.3f')} ± {fmt(std(list(own.values())), '.3f')}"
+                if v != base:
+                    dd = [own[s] - ref[s] for s in own if s in ref and None not in (own[s], ref[s])]
+                    cell += f", {fmt(mean(dd), '+.3f')} ({sum(x < 0 for x in dd)}/{len(dd)})"
+                cells.append(cell)
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def deeploop_report(arms, header, report_dir, prefix, floor):
     runs = [r for rs in arms.values() for r in rs]
     variants = list(dict.fromkeys(r['arm']['tags']['variant'] for r in runs))
     Rs = sorted({r['arm']['tags']['R'] for r in runs})
     lrs = sorted({r['arm']['tags']['lr'] for r in runs})
-    lines = header + floor_lines(floor) + loss_table(runs, variants, Rs, lrs, floor)
+    lines = (header + floor_lines(floor) + loss_table(runs, variants, Rs, lrs, floor)
+             + versus_baseline(runs, variants, Rs, lrs))
     plt = plt_or_none()
     if plt is not None:
         name = plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix)

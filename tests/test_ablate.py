@@ -92,7 +92,7 @@ def test_laptop_presets_resolve_to_their_sizes(repo_dir, monkeypatch):
     monkeypatch.chdir(repo_dir)
     args = ablate.parse_args(['blindspot', '--only=loop_raw_gpt2', '--dry_run'])
     blindspot = ablate.plan(args, ablate.PRESETS['blindspot'])
-    args = ablate.parse_args(['deeploop', '--only=sandwich_p0.5-R8-lr0.003', '--seeds=3'])
+    args = ablate.parse_args(['deeploop', '--only=sandwich_p0.5-R7-lr0.003', '--seeds=3'])
     deeploop = ablate.plan(args, ablate.PRESETS['deeploop'])
     assert blindspot[0]['args'][:2] == ['config/laptop_blindspot.py', 'config/loop_raw.py']
     ablate.resolve(blindspot + deeploop)
@@ -104,9 +104,24 @@ def test_laptop_presets_resolve_to_their_sizes(repo_dir, monkeypatch):
     assert picked(cfg, 'learning_rate beta2 device readout') == [3e-4, 0.999, 'cpu', 'raw']
     assert picked(cfg, 'init seed') == ['gpt2', 1337]  # the arm's override and the preset's seed
     cfg = deeploop[0]['cfg']
-    assert picked(cfg, 'block depth_scaling n_loop learning_rate') == ['sandwich', 'deeploop', 8, 3e-3]
+    assert picked(cfg, 'block depth_scaling n_loop learning_rate') == ['sandwich', 'deeploop', 7, 3e-3]
     assert picked(cfg, 'pos mlp supervision batch_size seed') == ['rope', 'gelu', 'terminal', 8, 3]
 
+
+
+def test_deeploop_preset_is_the_papers_loop_grid_on_three_seeds_and_kappa_uses_other_seeds():
+    # docs/papers.md §2: R in {1, 3, 5, 7}; three seeds per cell; the kappa sweep is separate evidence
+    dl, kappa = ablate.PRESETS['deeploop'], ablate.PRESETS['kappa']
+    assert sorted({a['tags']['R'] for a in dl['arms']}) == [1, 3, 5, 7] and len(dl['seeds']) >= 3
+    assert not set(kappa['seeds']) & set(dl['seeds'])
+
+
+def test_matched_preset_trains_the_per_loop_arms_longer_on_three_seeds():
+    # paper 1's matched-depth claim: the per-loop RMSNorm readout against the scale-controlled ones
+    m = ablate.PRESETS['matched']
+    assert [a['name'] for a in m['arms']] == ['loop_rmsnorm', 'loop_raw', 'loop_final_only', 'loop_penalty']
+    assert len(m['seeds']) >= 3 and m['eval_depth']
+    assert all(a['overrides']['max_iters'] > 600 for a in m['arms'])  # longer than the blind-spot sweep
 
 
 def test_growing_preset_runs_both_readouts_16x_longer_at_the_blindspot_size(repo_dir, monkeypatch):
@@ -512,3 +527,49 @@ def test_probes_preset_changes_only_what_each_arm_names(repo_dir, monkeypatch):
     embedded = next(j['cfg'] for j in jobs if j['arm']['name'] == 'embedded_default')
     assert {k for k in defaults if embedded[k] != defaults[k]} == \
         {'out_dir', 'device', 'eval_interval', 'eval_iters', 'log_interval'}
+
+
+# -----------------------------------------------------------------------------
+# matched inference depth and the deeploop comparison: what the verdicts are computed from
+
+def depth_of(fixed_ppl, curve):
+    # an eval_depth.json with R = len(fixed_ppl) and one adaptive curve of (avg loops, ppl) points
+    loops, ppl = zip(*curve)
+    return dict(n_loop=len(fixed_ppl), fixed=dict(ppl=list(fixed_ppl) + [99.0] * len(fixed_ppl)),
+                adaptive=dict(margin=dict(avg_loops=list(loops), ppl=list(ppl))))
+
+
+def test_ppl_within_a_budget_is_the_best_operating_point_that_fits_it():
+    d = depth_of([20.0, 15.0, 14.0, 13.0], [(1.4, 16.0), (2.6, 13.5), (3.9, 12.5)])
+    assert reports.ppl_within(d, 1) == 20.0     # only exit 1 fits
+    assert reports.ppl_within(d, 1.5) == 16.0   # the adaptive point at 1.4 loops beats exit 1
+    assert reports.ppl_within(d, 3) == 13.5
+    assert reports.ppl_within(d, 4) == 12.5     # the adaptive point beats every fixed exit
+    assert reports.ppl_within(d, 0.5) is None   # nothing runs in under one loop
+
+
+def test_matched_depth_verdict_needs_every_seed_for_reproduces():
+    assert reports.matched_verdict([[-0.1, -0.2], [-0.3, -0.1]]).startswith('reproduces')
+    assert reports.matched_verdict([[-0.3, 0.1], [-0.3, -0.1]]).startswith('direction only')
+    assert reports.matched_verdict([[-0.3, -0.1], [0.2, 0.1]]).startswith('does not reproduce')
+    assert reports.matched_verdict([[], []]) == 'not tested'
+
+
+def test_matched_table_pairs_each_arm_with_the_rmsnorm_arm_by_seed():
+    base = [dict(seed=s, depth=depth_of([20.0, 18.0], [(1.5, 19.0)])) for s in (1, 2)]
+    fix = [dict(seed=1, depth=depth_of([19.0, 17.0], [(1.5, 18.0)])),
+           dict(seed=2, depth=depth_of([21.0, 17.5], [(1.5, 20.0)]))]
+    md = '\n'.join(reports.matched_tables({'loop_rmsnorm': base, 'loop_raw': fix}))
+    # budget 1: 19 - 20 and 21 - 20 -> mean 0, lower in 1 of 2 seeds; budget 2: -1.0 and -0.5
+    assert '| loop_raw | +0.000 (1/2) | +0.000 (1/2) | -0.750 (2/2) |' in md.replace('-0.000', '+0.000')
+    assert 'does not reproduce' in md
+
+
+def test_deeploop_comparison_is_paired_by_seed_against_the_baseline():
+    def run(v, seed, loss):
+        return dict(seed=seed, arm=dict(tags=dict(variant=v, R=3, lr=1e-3)), status=dict(train='done'),
+                    rows=[dict(val_loss=loss)])
+    runs = [run('preln', 1, 2.0), run('preln', 2, 2.2), run('p05', 1, 1.9), run('p05', 2, 2.25)]
+    md = '\n'.join(reports.versus_baseline(runs, ['preln', 'p05'], [3], [1e-3]))
+    assert '| preln | 2.100 ± 0.141 |' in md
+    assert '| p05 | 2.075 ± 0.247, -0.025 (1/2) |' in md

@@ -131,6 +131,16 @@ def test_final_only_readout_is_raw_at_early_exits_and_normalised_at_the_last():
     assert torch.allclose(m.readout(h, 3), m.readout(4 * h, 3), atol=1e-4)
 
 
+@pytest.mark.parametrize('R', [2, 5])
+def test_final_only_norms_the_last_exit_of_a_sampled_depth(R):
+    # a training step that draws R != n_loop (loop_sampling) still reads its last exit through the norm
+    m = tiny(readout='final_only', supervision='terminal', n_loop=3)
+    idx, tgt = batch()
+    states = m.states(idx, n_loop=R)
+    normed = F.cross_entropy(m.lm_head(m.transformer.ln_out(states[-1])).view(-1, V), tgt.view(-1))
+    torch.testing.assert_close(m.loss(states, tgt), normed, atol=1e-5, rtol=1e-5)
+
+
 def test_per_loop_loss_is_the_mean_of_exit_ces_and_terminal_is_the_last():
     idx, tgt = batch()
     per_loop, terminal = tiny(supervision='per_loop'), tiny(supervision='terminal')

@@ -70,6 +70,18 @@ def test_the_prelude_runs_once_and_the_coda_at_every_exit():
     torch.testing.assert_close(m.readout(h, 2), expect)
 
 
+def test_huginn_adapter_is_a_plain_linear_layer_and_its_blocks_are_sandwich_normed():
+    # config/huginn.py: Huginn's adapter is not initialised to [I 0], and its blocks norm every sublayer
+    ns = {}
+    exec(open(os.path.join(REPO, 'config', 'huginn.py')).read(), ns)
+    assert ns['block'] == 'sandwich' and ns['adapter_init'] == 'default'
+    m = tiny(n_prelude=1, injection='concat', adapter_init='default', block='sandwich')
+    W = m.transformer.adapter.weight
+    assert W.shape == (16, 32) and not torch.equal(W[:, :16], torch.eye(16))
+    assert W[:, 16:].abs().sum() > 0  # the prelude output is read from the start
+    assert all(isinstance(b.pn_1, torch.nn.RMSNorm) for b in m.transformer.h)
+
+
 def test_concat_injection_starts_as_the_identity_and_add_injection_adds_the_prelude_output():
     X, Y = batch()
     plain, cat = tiny(n_prelude=1), tiny(n_prelude=1, injection='concat')
