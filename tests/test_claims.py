@@ -111,7 +111,7 @@ def mismatches(path, table):
         missing = [n for n in wanted if n not in best[2]]
         if missing:
             out.append(f"{where} (row at line {lineno}, '{row[0]}'): no line of "
-                       f"{marker[9:-4]} carries all of its numbers; missing {', '.join(missing)} "
+                       f"{FROM.match(marker).group(1)} carries all of its numbers; missing {', '.join(missing)} "
                        f"on the closest line, {best[0]}: {best[1].strip()[:120]}")
     return out
 
