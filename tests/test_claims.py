@@ -110,7 +110,8 @@ def mismatches(path, table):
         best = max(sources, key=lambda s: sum(n in s[2] for n in wanted))
         missing = [n for n in wanted if n not in best[2]]
         if missing:
-            out.append(f"{where} (row at line {lineno}, '{row[0]}'): no line of {FROM.match(marker).group(1)} "
+            source = FROM.match(marker).group(1)
+            out.append(f"{where} (row at line {lineno}, '{row[0]}'): no line of {source} "
                        f"carries all of its numbers; missing {', '.join(missing)} on the closest line, "
                        f"{best[0]}: {best[1].strip()[:120]}")
     return out
