@@ -4,15 +4,17 @@ Prepare a dataset: read text, tokenize it, write flat token files, as in nanoGPT
     python prepare.py shakespeare_char                         # characters (65 symbols), nanoGPT's split
     python prepare.py shakespeare                              # GPT-2 BPE via tiktoken
     python prepare.py wikitext103                              # via Hugging Face `datasets` (pip install)
+    python prepare.py wikitext103_word                         # the same text, paper 1's word tokenizer
     python prepare.py fineweb_edu --num_docs=100000            # streams FineWeb-Edu sample-10BT
     python prepare.py openwebtext --val_fraction=0.0005        # streams OpenWebText (nanoGPT's GPT-2 data)
     python prepare.py gutenberg --input=path/to/books --tokenizer=gpt2           # any .txt file or folder
 
 Writes data/<dataset>/train.bin and val.bin (flat token ids: uint16, or uint32 when the vocabulary has
 65536 or more entries) and meta.json: dataset, tokenizer, vocab_size, dtype, train_tokens, val_tokens, and
-itos (id -> character) for the char tokenizer. `get_tokenizer(meta)` turns meta.json back into
+itos (id -> character for char, id -> token for word). `get_tokenizer(meta)` turns meta.json back into
 encode/decode; train.py calls `prepare(...)` when data/shakespeare_char is missing.
 """
+import collections
 import itertools
 import json
 import os
@@ -25,8 +27,9 @@ from errors import Parser, die, first_line
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 TEXT_DATASETS = {'shakespeare_char': 'char', 'shakespeare': 'gpt2'}  # tinyshakespeare, two tokenizers
-HF_DATASETS = ('wikitext103', 'fineweb_edu', 'openwebtext')          # GPT-2 BPE, via Hugging Face `datasets`
-TOKENIZERS = ('char', 'gpt2')
+HF_DATASETS = {'wikitext103': 'gpt2', 'wikitext103_word': 'word',   # via Hugging Face `datasets`, each with
+               'fineweb_edu': 'gpt2', 'openwebtext': 'gpt2'}          # its one tokenizer
+TOKENIZERS = ('char', 'gpt2', 'word')
 
 # -----------------------------------------------------------------------------
 # tokenizers
@@ -38,6 +41,31 @@ def gpt2_encoding():
     except Exception as e:  # offline with no cache: requests' ConnectionError, many lines long
         die(f"could not load tiktoken's GPT-2 files ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR to "
             f"a folder holding them (tiktoken's cache)")
+
+# Paper 1's word-level tokenizer, as its reference code builds it for WikiText-103: every match of
+# WORD_PATTERN is a token, whitespace runs included. Characters the pattern does not match (letters and
+# digits outside ASCII: \w, but not [A-Za-z0-9_]) belong to no token and are dropped, so decoding loses them.
+# The vocabulary is the reference's too: its four special tokens at ids 0-3, then the WORD_VOCAB - 4 tokens
+# counted most often (at least WORD_MIN_COUNT times), by count, ties by the token's code points. Every other
+# token is one <unk>; only <unk> ever occurs in the data (no padding, no document marks).
+WORD_PATTERN = re.compile(r'\s+|[A-Za-z0-9_]+|[^\w\s]')
+WORD_SPECIALS = ('<pad>', '<bos>', '<eos>', '<unk>')
+WORD_UNK = WORD_SPECIALS.index('<unk>')
+WORD_VOCAB = 20_000                    # specials included: the reference's max_vocab_size
+WORD_MIN_COUNT = 2
+
+def word_vocab(texts, size=WORD_VOCAB, min_count=WORD_MIN_COUNT):
+    """texts (each counted on its own) -> itos: the specials, then the most frequent tokens."""
+    counts = collections.Counter()
+    for text in texts:
+        counts.update(WORD_PATTERN.findall(text))
+    # a match is one punctuation character or a run of one class, so no token can spell a special
+    kept = sorted((t for t, c in counts.items() if c >= min_count), key=lambda t: (-counts[t], t))
+    return [*WORD_SPECIALS, *kept[:size - len(WORD_SPECIALS)]]
+
+def word_encoder(itos):
+    stoi = {t: i for i, t in enumerate(itos)}
+    return lambda s: [stoi.get(t, WORD_UNK) for t in WORD_PATTERN.findall(s)]
 
 def get_tokenizer(meta):
     """meta.json dict -> (encode: str -> list[int], decode: list[int] -> str)"""
@@ -58,6 +86,10 @@ def get_tokenizer(meta):
         # a model may pad its vocabulary past 50257 (nanoGPT uses 50304 for speed); those ids have no text
         decode = lambda ids: enc.decode([i for i in ids if i < enc.n_vocab])
         return encode, decode
+    if meta['tokenizer'] == 'word':
+        itos = meta['itos']
+        # an unknown token encodes as <unk>, which decodes as the text '<unk>'; dropped characters stay lost
+        return word_encoder(itos), lambda ids: ''.join(itos[i] for i in ids if i < len(itos))
     raise ValueError(f"tokenizer={meta['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}")
 
 def token_dtype(vocab_size):
@@ -152,6 +184,38 @@ class TokenWriter:
         os.replace(self.path + '.tmp', self.path)
         return self.count
 
+# Paper 1's training protocol (its reference code): windows of WINDOW + 1 tokens (WINDOW inputs, each with
+# the next token as its target) starting every STRIDE tokens, so each epoch passes over every token about
+# WINDOW / STRIDE = 2 times; shuffled, EPOCHS epochs, an epoch's last batch partial. train.py instead draws
+# random windows: the same number of steps sees the same number of tokens, not in the same order.
+WINDOW, STRIDE, EPOCHS = 256, 128, 4
+PAPER_BATCH = {'44m': 64, '129m': 32}  # sequences per step at each model size
+# Before WikiText-103 is prepared, its word-token count is estimated: the published train size is
+# 103,227,021 tokens (Merity et al. 2016), and in the raw text each of them is followed by whitespace, so the
+# pattern gives about 2 tokens per published token (2.0015 per whitespace-separated word on the offline
+# Gutenberg books with punctuation spaced apart as WikiText writes it; 2.25 as the books are written).
+WIKITEXT103_WORDS = 103_227_021
+WIKITEXT103_WORD_TOKENS = 2 * WIKITEXT103_WORDS  # an estimate; prepare.py prints the exact count
+
+def protocol_windows(n_tokens, window=WINDOW, stride=STRIDE):
+    """Windows per epoch: starts 0, stride, ... while a whole window fits (at least one, as the reference)."""
+    return len(range(0, max(1, n_tokens - window), stride))
+
+def protocol_steps(n_tokens, batch_size, epochs=EPOCHS):
+    """Optimizer steps of the protocol: epochs x batches per epoch (the last one partial)."""
+    return epochs * -(-protocol_windows(n_tokens) // batch_size)
+
+def print_protocol(n_tokens):
+    n = protocol_windows(n_tokens)
+    steps = ', '.join(f"max_iters={protocol_steps(n_tokens, b)} at batch {b} ({size})"
+                      for size, b in PAPER_BATCH.items())
+    print(f"paper 1's protocol: {n:,} windows of {WINDOW} tokens at stride {STRIDE} per epoch; "
+          f"{EPOCHS} epochs: {steps}")
+
+def count_id(path, dtype, token):
+    data = np.memmap(path, dtype=dtype, mode='r') if os.path.getsize(path) else np.zeros(0, dtype)
+    return sum(int((data[i:i + (1 << 24)] == token).sum()) for i in range(0, len(data), 1 << 24))
+
 def write_meta(dataset, out_dir, meta):
     """meta.json is written last: its presence says the .bin files beside it are complete."""
     folder = os.path.join(out_dir, dataset)
@@ -161,10 +225,15 @@ def write_meta(dataset, out_dir, meta):
             die(f"{dataset}: the {split} split is empty; give more text or change --val_fraction")
         mib = n * np.dtype(meta['dtype']).itemsize / 2**20
         print(f"{split}.bin: {n:,} tokens ({meta['dtype']}, {mib:.1f} MiB)")
+        if meta['tokenizer'] == 'word':
+            unk = count_id(os.path.join(folder, f'{split}.bin'), meta['dtype'], WORD_UNK)
+            print(f"  of which {unk:,} <unk> ({unk / n:.2%}): tokens outside the vocabulary, one <unk> each")
     with open(os.path.join(folder, 'meta.json.tmp'), 'w', encoding='utf-8') as f:
         json.dump(meta, f, ensure_ascii=False)
     os.replace(os.path.join(folder, 'meta.json.tmp'), os.path.join(folder, 'meta.json'))
     print(f"wrote {folder}: vocab_size {meta['vocab_size']:,}, tokenizer {meta['tokenizer']}")
+    if meta['tokenizer'] == 'word':
+        print_protocol(meta['train_tokens'])
     return meta
 
 def start_folder(out_dir, dataset):
@@ -203,6 +272,11 @@ def prepare_text(dataset, text, tokenizer, out_dir, val_fraction):
         itos = sorted(set(text))                  # the vocabulary is every character that occurs
         stoi = {ch: i for i, ch in enumerate(itos)}
         encode, vocab_size = (lambda s: [stoi[c] for c in s]), len(itos)
+    elif tokenizer == 'word':
+        # counted over the whole text, as for char (and as the reference counts WikiText-103's train + val);
+        # counting piece by piece is exact: a SAFE_CUT follows a newline, where a word token ends anyway
+        itos = word_vocab(pieces(text, 1 << 22))
+        encode, vocab_size = word_encoder(itos), len(itos)
     else:
         enc = gpt2_encoding()
         encode, vocab_size = enc.encode_ordinary, enc.n_vocab
@@ -265,7 +339,7 @@ def open_data(data_dir, block_size):
     return meta
 
 # -----------------------------------------------------------------------------
-# Hugging Face datasets: WikiText-103 (paper 1) and FineWeb-Edu (paper 2), GPT-2 BPE
+# Hugging Face datasets: WikiText-103 (paper 1; GPT-2 BPE or its word tokenizer), FineWeb-Edu (paper 2)
 
 def load_hf():
     try:
@@ -302,6 +376,37 @@ def prepare_wikitext103(out_dir):
             yield enc.encode_ordinary(''.join(row['text'] for row in rows))
     return write_dataset('wikitext103', out_dir, 'gpt2', enc.n_vocab,
                          {'train': chunks('train'), 'val': chunks('validation')})
+
+def wikitext_rows(ds, desc):
+    """The non-empty rows (lines) of a WikiText split: the reference drops the empty ones."""
+    from tqdm import tqdm
+    return (row['text'] for row in tqdm(ds, total=len(ds), desc=desc, unit='line') if row['text'])
+
+def encode_joined(encode, rows, sep='\n\n', n=1024):
+    """encode(sep.join(rows)) as consecutive id lists, n rows at a time, memory flat. Each piece ends at its
+    last whitespace character before a non-space one (str.isspace is the \\s of a str pattern): no word token
+    spans that place, so the ids are exactly those of the joined text. The rest waits for the next piece."""
+    rest = ''
+    for i, batch in enumerate(batched(rows, n)):
+        text = rest + (sep if i else '') + sep.join(batch)
+        cut = next((j for j in range(len(text) - 1, 0, -1)
+                    if text[j - 1].isspace() and not text[j].isspace()), 0)
+        rest = text[cut:]
+        yield encode(text[:cut])
+    yield encode(rest)
+
+def prepare_wikitext103_word(out_dir):
+    # paper 1's data as its reference code reads it: the non-empty rows of each split joined with a blank
+    # line ('\n\n'), the vocabulary counted row by row over train and validation (each row on its own, so
+    # the whitespace run where two rows meet, ' \n\n\n ', is never counted and becomes <unk>), no other marks
+    datasets = load_hf()
+    ds = {s: hf_load(datasets, 'Salesforce/wikitext', 'wikitext-103-raw-v1', split=s)
+          for s in ('train', 'validation')}
+    itos = word_vocab(itertools.chain(*(wikitext_rows(d, f'counting {s}') for s, d in ds.items())))
+    encode = word_encoder(itos)
+    splits = {'train': encode_joined(encode, wikitext_rows(ds['train'], 'wikitext103_word train')),
+              'val': encode_joined(encode, wikitext_rows(ds['validation'], 'wikitext103_word val'))}
+    return write_dataset('wikitext103_word', out_dir, 'word', len(itos), splits, itos=itos)
 
 # streamed corpora of documents: (Hugging Face path, config name); EOT ends each document
 STREAMED = {'fineweb_edu': ('HuggingFaceFW/fineweb-edu', 'sample-10BT'),   # paper 2's data
@@ -344,10 +449,12 @@ def prepare(dataset, input_path=None, tokenizer=None, out_dir='data', val_fracti
         text = read_text(shakespeare_path(out_dir, dataset))
         return prepare_text(dataset, text, tokenizer or TEXT_DATASETS[dataset], out_dir, val_fraction)
     if dataset in HF_DATASETS:
-        if tokenizer == 'char':
-            die(f"--tokenizer=char: {dataset} is prepared with gpt2 only")
+        if tokenizer not in (None, HF_DATASETS[dataset]):
+            die(f"--tokenizer={tokenizer}: {dataset} is prepared with {HF_DATASETS[dataset]} only")
         if dataset == 'wikitext103':
             return prepare_wikitext103(out_dir)  # it has its own validation split
+        if dataset == 'wikitext103_word':
+            return prepare_wikitext103_word(out_dir)
         return prepare_streamed(dataset, out_dir, val_fraction, num_docs)
     die(f"unknown dataset {dataset!r}: choose one of {', '.join([*TEXT_DATASETS, *HF_DATASETS])}, "
         f"or give --input=PATH (a .txt file or folder) for your own text")
@@ -356,7 +463,8 @@ def main(argv=None):
     p = Parser('prepare.py', __doc__)
     p.add_argument('dataset', help=f"{', '.join([*TEXT_DATASETS, *HF_DATASETS])}, or a name for --input text")
     p.add_argument('--input', default=None, help='a UTF-8 .txt file, or a folder of them')
-    p.add_argument('--tokenizer', default=None, help="char or gpt2 (default: the dataset's; else gpt2)")
+    p.add_argument('--tokenizer', default=None,
+                   help="char, gpt2 or word (paper 1's; default: the dataset's, else gpt2)")
     p.add_argument('--out_dir', default='data', help='writes OUT_DIR/DATASET/{train,val}.bin and meta.json')
     p.add_argument('--val_fraction', type=float, default=0.1, help='share of the text (or documents) for val')
     p.add_argument('--num_docs', type=int, default=None, help='streamed corpora: stop after this many docs')

@@ -60,6 +60,7 @@ from configurator import gpt_config, model_keys
 from errors import Parser, die, duration
 from hardware import auto_dtype
 from model import GPT, GPTConfig
+from prepare import HF_DATASETS, WORD_VOCAB
 from reports import fmt, read_json, read_metrics, read_status, write_report
 
 LAB = os.path.dirname(os.path.abspath(__file__))  # this folder: eval_depth.py
@@ -527,11 +528,12 @@ def resolved_dtype(cfg):
 
 def run_vocab_size(cfg):
     """The vocabulary train.py will use: --print_config shows GPTConfig's default where no config set
-    vocab_size, and then train.py takes data/<dataset>/meta.json's (if the data is not prepared here,
-    assume GPT-2's BPE padded to 50304)."""
+    vocab_size, and then train.py takes data/<dataset>/meta.json's (if the data is not prepared here: the
+    word tokenizer's 20,000 for a dataset prepare.py writes with it, else GPT-2's BPE padded to 50304)."""
     if cfg['vocab_size'] != GPTConfig.vocab_size:
         return cfg['vocab_size']
-    return read_json(os.path.join('data', cfg['dataset'], 'meta.json'), {}).get('vocab_size', 50304)
+    unprepared = WORD_VOCAB if HF_DATASETS.get(cfg['dataset']) == 'word' else 50304
+    return read_json(os.path.join('data', cfg['dataset'], 'meta.json'), {}).get('vocab_size', unprepared)
 
 
 def estimate(cfg):

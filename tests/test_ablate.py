@@ -236,6 +236,19 @@ def test_paper_scale_dry_run_composes_the_base_config(repo_dir, monkeypatch, cap
     assert 'GPU-hours' in out
 
 
+def test_dry_run_vocabulary_before_the_data_is_prepared(tmp_path, monkeypatch):
+    # no data/<dataset>/meta.json here: the word tokenizer's 20,000 for wikitext103_word (the paper presets'),
+    # GPT-2's padded 50304 for a BPE dataset; a prepared meta.json, or a config's vocab_size, wins
+    monkeypatch.chdir(tmp_path)
+    default = ablate.GPTConfig.vocab_size
+    assert ablate.run_vocab_size(dict(vocab_size=default, dataset='wikitext103_word')) == 20_000
+    assert ablate.run_vocab_size(dict(vocab_size=default, dataset='wikitext103')) == 50304
+    assert ablate.run_vocab_size(dict(vocab_size=512, dataset='wikitext103_word')) == 512
+    (tmp_path / 'data' / 'wikitext103_word').mkdir(parents=True)
+    (tmp_path / 'data' / 'wikitext103_word' / 'meta.json').write_text(json.dumps(dict(vocab_size=1234)))
+    assert ablate.run_vocab_size(dict(vocab_size=default, dataset='wikitext103_word')) == 1234
+
+
 def test_fmt_spells_out_missing_and_infinite_values():
     assert reports.fmt(None) == 'n/a' and reports.fmt(math.inf, '.2f') == 'inf'
     assert reports.vec([1.0, None], '.1f') == '1.0 / n/a' and reports.mean([None, 1.0, 3.0]) == 2.0

@@ -1,8 +1,11 @@
 """prepare.py: every loading path on real local text, the uint32 path, and Hugging Face via a fake
 `datasets`."""
+import collections
 import io
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -258,6 +261,120 @@ def test_hub_failure_is_one_line_error(offline_data, tmp_path, monkeypatch, caps
     assert "Couldn't reach" in one_line_error(capsys, e)
 
 
+# ---- paper 1's word-level tokenizer (wikitext103_word) ----
+
+PATTERN = r"\s+|[A-Za-z0-9_]+|[^\w\s]"   # paper 1's, written out here independently of prepare.py
+
+
+def test_word_vocabulary_rule_counts_min_count_top_k_and_ties():
+    texts = ['b a a c, c c\n', 'a b  d d e ô!']          # counted text by text
+    # tokens: ' ' 9, 'a' 3, 'c' 3, 'b' 2, 'd' 2, '  ' 1, ',' 1, '\n' 1, 'e' 1, '!' 1; 'ô' matches nothing
+    itos = prepare.word_vocab(texts, size=8, min_count=2)
+    assert itos[:4] == ['<pad>', '<bos>', '<eos>', '<unk>'] and prepare.WORD_UNK == 3
+    # count descending, ties by the token: 'a' before 'c', 'b' before 'd'; the 4 specials count in the size
+    assert itos[4:] == [' ', 'a', 'c', 'b']
+    assert prepare.word_vocab(texts, size=100, min_count=2)[4:] == [' ', 'a', 'c', 'b', 'd']  # count >= 2
+    assert len(prepare.word_vocab(texts, size=100, min_count=1)) == 4 + 10
+    meta = {'tokenizer': 'word', 'dataset': 'x', 'itos': itos}
+    encode, decode = get_tokenizer(meta)
+    assert encode('a  b\td') == [5, 3, 7, 3, 3]          # '  ', '\t' and 'd' are outside: one <unk> each
+    assert decode(encode('b a c a')) == 'b a c a'               # known tokens round trip
+    assert decode([5, 3, 6]) == 'a<unk>c' and decode([6, 20_000]) == 'c'   # padded-vocab ids have no text
+    assert encode('aô a') == encode('a a')                       # non-ASCII letters are in no token: dropped
+
+
+def test_word_tokens_join_exactly_across_pieces_of_rows():
+    rows = ['x\u00a0 y\n', ' z\n', '\n', '  \t', 'ab', 'c d ', ' = = H = = \n', 'é q'] * 40
+    itos = prepare.word_vocab(rows, min_count=1)
+    encode = prepare.word_encoder(itos)
+    for n in (1, 3, 7, 1000):
+        ids = [i for piece in prepare.encode_joined(encode, rows, n=n) for i in piece]
+        assert ids == encode('\n\n'.join(rows)), n
+
+
+def test_protocol_windows_and_steps():
+    # windows of 257 tokens (256 inputs + the next-token target) starting every 128 tokens
+    W, S = prepare.WINDOW, prepare.STRIDE
+    assert (W, S, prepare.EPOCHS) == (256, 128, 4)
+    lengths = (100, W + 1, W + S, W + S + 1, W + 10 * S + 1)
+    assert [prepare.protocol_windows(T) for T in lengths] == [1, 1, 1, 2, 11]
+    assert prepare.protocol_windows(1_000_000) == (1_000_000 - W - 1) // S + 1 == 7811
+    assert prepare.protocol_steps(1_000_000, 64) == 4 * 123                     # ceil(7811 / 64) per epoch
+    assert prepare.protocol_steps(1_000_000, 32) == 4 * 245
+    assert prepare.protocol_steps(W + 64 * S + 1, 64) == 4 * 2                  # 65 windows: a partial batch
+
+
+def paper_preset(repo_dir, size):
+    ns = {}
+    exec((repo_dir / 'config' / f'paper_{size}.py').read_text(), {}, ns)
+    return ns
+
+
+@pytest.mark.parametrize('size', ['44m', '129m'])
+def test_paper_presets_train_the_reference_protocol_length(repo_dir, size):
+    cfg = paper_preset(repo_dir, size)
+    batch = cfg['batch_size'] * cfg['gradient_accumulation_steps']
+    assert cfg['dataset'] == 'wikitext103_word' and 'vocab_size' not in cfg  # meta.json's vocabulary
+    assert batch == prepare.PAPER_BATCH[size] and cfg['block_size'] == prepare.WINDOW
+    # T is estimated: WikiText-103's published train size, ~2 pattern tokens per published token
+    assert prepare.WIKITEXT103_WORD_TOKENS == 2 * prepare.WIKITEXT103_WORDS == 2 * 103_227_021
+    T = prepare.WIKITEXT103_WORD_TOKENS
+    assert cfg['max_iters'] == prepare.EPOCHS * math.ceil(((T - 257) // 128 + 1) / batch)
+    assert cfg['max_iters'] == prepare.protocol_steps(T, batch)
+    assert f"= {cfg['max_iters']:,} steps" in (repo_dir / 'config' / f'paper_{size}.py').read_text()
+
+
+def test_input_text_with_the_word_tokenizer(offline_data, tmp_path, capsys):
+    src = offline_data / 'gutenberg' / 'pg1656.txt'
+    meta, train, val = load_prepared('apology', tmp_path, input_path=str(src), tokenizer='word')
+    text = src.read_text(encoding='utf-8').replace('\r\n', '\n')
+    counts = collections.Counter(re.findall(PATTERN, text))          # the whole text, train and val
+    kept = sorted((t for t, c in counts.items() if c >= 2), key=lambda t: (-counts[t], t))
+    assert len(kept) < 20_000 - 4 and meta['itos'] == ['<pad>', '<bos>', '<eos>', '<unk>', *kept]
+    assert meta['tokenizer'] == 'word' and meta['vocab_size'] == len(meta['itos'])
+    assert meta['dtype'] == 'uint16' and train.dtype == np.uint16
+    assert max(train.max(), val.max()) < meta['vocab_size']
+    n_unk = sum(c for t, c in counts.items() if c < 2)                # each token seen once is an <unk>
+    assert abs((train == 3).sum() + (val == 3).sum() - n_unk) <= 2
+    # the 90/10 cut by characters may split one token in two
+    assert abs(len(train) + len(val) - sum(counts.values())) <= 1
+    out = capsys.readouterr().out
+    n = len(train)
+    assert f"{(n - 257) // 128 + 1:,} windows of 256 tokens at stride 128 per epoch" in out
+    assert f"max_iters={4 * math.ceil(((n - 257) // 128 + 1) / 64)} at batch 64 (44m)" in out
+
+
+def test_wikitext103_word_reads_hf_rows_like_the_reference(offline_data, tmp_path, monkeypatch, capsys):
+    # the real loading path, `datasets` replaced by rows of a real local text (lines of a book, blank lines as
+    # WikiText's empty rows): train is most of the lines, validation the rest
+    lines = (offline_data / 'gutenberg' / 'pg1974.txt').read_text(encoding='utf-8').replace('\r\n', '\n')
+    lines = [line + '\n' if line.strip() else '' for line in lines.split('\n')]
+    rows = {'train': lines[:-300], 'validation': lines[-300:]}
+    calls = fake_datasets(monkeypatch, lambda *a, split, **k: [{'text': t} for t in rows[split]])
+    meta, train, val = load_prepared('wikitext103_word', tmp_path)
+    assert {c[0] for c in calls} == {('Salesforce/wikitext', 'wikitext-103-raw-v1')}
+    assert {c[1]['split'] for c in calls} == {'train', 'validation'}
+    # the vocabulary: counted row by row over train + validation, empty rows dropped
+    counts = collections.Counter(t for r in rows['train'] + rows['validation']
+                                 for t in re.findall(PATTERN, r))
+    kept = sorted((t for t, c in counts.items() if c >= 2), key=lambda t: (-counts[t], t))
+    assert meta['itos'] == ['<pad>', '<bos>', '<eos>', '<unk>', *kept[:20_000 - 4]]
+    assert meta['tokenizer'] == 'word' and meta['dtype'] == 'uint16'
+    assert meta['vocab_size'] == len(meta['itos'])
+    # the data: the non-empty rows joined by a blank line, no other marks; where two rows meet ('\n' +
+    # '\n\n' + the next row's start) the whitespace run was never counted, so it is an <unk>
+    _, decode = get_tokenizer(meta)
+    for split, ids in (('train', train), ('validation', val)):
+        joined = '\n\n'.join(r for r in rows[split] if r)
+        toks = re.findall(PATTERN, joined)
+        stoi = {t: i for i, t in enumerate(meta['itos'])}
+        assert ids.tolist() == [stoi.get(t, 3) for t in toks]
+        assert decode(ids.tolist()) == ''.join(t if t in stoi else '<unk>' for t in toks)
+    assert '\n\n\n' not in meta['itos'] and (train == 3).sum() >= sum(1 for r in rows['train'] if r) - 1
+    out = capsys.readouterr().out
+    assert 'train.bin' in out and '<unk>' in out and "paper 1's protocol" in out
+
+
 # ---- bad input: one line on stderr, non-zero exit, no traceback ----
 
 @pytest.mark.parametrize('argv, says', [
@@ -266,11 +383,12 @@ def test_hub_failure_is_one_line_error(offline_data, tmp_path, monkeypatch, caps
     (['mine', '--input', 'empty.txt'], 'empty'),
     (['mine', '--input', 'emptydir'], 'no .txt files'),
     (['mine', '--input', 'latin1.txt'], 'not UTF-8'),
-    (['mine', '--input', 'a.txt', '--tokenizer', 'bpe'], 'choose one of char, gpt2'),
+    (['mine', '--input', 'a.txt', '--tokenizer', 'bpe'], 'choose one of char, gpt2, word'),
     (['mine', '--input', 'a.txt', '--val_fraction', '1.5'], 'between 0 and 1'),
     (['mine', '--input', 'tiny.txt', '--tokenizer', 'char'], 'train split empty'),
     (['fineweb_edu', '--num_docs', '0'], 'must be >= 1'),
     (['wikitext103', '--tokenizer', 'char'], 'gpt2 only'),
+    (['wikitext103_word', '--tokenizer', 'gpt2'], 'word only'),
     (['../escape', '--input', 'a.txt'], 'plain folder name'),
     (['mine', '--inptu', 'a.txt'], 'unrecognized arguments'),
 ])

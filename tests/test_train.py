@@ -170,7 +170,7 @@ def test_config_files_compose_in_order_then_flags_override(tmp_path):
     defaults = train_defaults()
     preset, arm = os.path.join(REPO, 'config', 'paper_44m.py'), os.path.join(REPO, 'config', 'loop_raw.py')
     config, explicit = configurator.configure(defaults, [preset, arm, '--learning_rate=1e-3', '--n_loop=2'])
-    assert config['n_embd'] == 512 and config['dataset'] == 'wikitext103'    # from the preset
+    assert config['n_embd'] == 512 and config['dataset'] == 'wikitext103_word'  # from the preset
     assert config['readout'] == 'raw' and config['supervision'] == 'per_loop'  # from the arm, applied after
     assert config['learning_rate'] == 1e-3 and config['n_loop'] == 2          # flags win
     assert {'n_embd', 'readout', 'learning_rate'} <= explicit and 'seed' not in explicit
