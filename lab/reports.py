@@ -566,13 +566,31 @@ def versus_baseline(runs, variants, Rs, lrs):
     return lines + [""]
 
 
+def at_best_lr(runs, variants, Rs, lrs):
+    """Each variant at its own best LR per R (the lowest mean final loss over seeds), and its difference from
+    the baseline at the baseline's best LR: the comparison that does not favour either block's LR."""
+    def best(v, R):
+        means = [(mean([final_loss(r) for r in runs_of(runs, variant=v, R=R, lr=lr)]), lr) for lr in lrs]
+        return min((m, lr) for m, lr in means if m is not None) if any(m for m, _ in means) else (None, None)
+    lines = [f"Each variant at its best LR (mean over seeds), and minus {variants[0]} at its best LR:", "",
+             "| variant | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]
+    for v in variants:
+        cells = []
+        for R in Rs:
+            (m, lr), (m0, _) = best(v, R), best(variants[0], R)
+            diff = '' if v == variants[0] or None in (m, m0) else f", {fmt(m - m0, '+.3f')}"
+            cells.append(f"{fmt(m, '.3f')} (lr {lr:g}){diff}" if m is not None else 'n/a')
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def deeploop_report(arms, header, report_dir, prefix, floor):
     runs = [r for rs in arms.values() for r in rs]
     variants = list(dict.fromkeys(r['arm']['tags']['variant'] for r in runs))
     Rs = sorted({r['arm']['tags']['R'] for r in runs})
     lrs = sorted({r['arm']['tags']['lr'] for r in runs})
     lines = (header + floor_lines(floor) + loss_table(runs, variants, Rs, lrs, floor)
-             + versus_baseline(runs, variants, Rs, lrs))
+             + versus_baseline(runs, variants, Rs, lrs) + at_best_lr(runs, variants, Rs, lrs))
     plt = plt_or_none()
     if plt is not None:
         name = plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix)

@@ -586,3 +586,13 @@ def test_deeploop_comparison_is_paired_by_seed_against_the_baseline():
     md = '\n'.join(reports.versus_baseline(runs, ['preln', 'p05'], [3], [1e-3]))
     assert '| preln | 2.100 ± 0.141 |' in md
     assert '| p05 | 2.075 ± 0.247, -0.025 (1/2) |' in md
+
+
+def test_best_lr_comparison_takes_each_variants_own_best_lr():
+    def run(v, lr, seed, loss):
+        return dict(seed=seed, arm=dict(tags=dict(variant=v, R=1, lr=lr)), status=dict(train='done'),
+                    rows=[dict(val_loss=loss)])
+    runs = [run('preln', 1e-3, 1, 2.0), run('preln', 3e-3, 1, 2.3), run('p05', 1e-3, 1, 2.4),
+            run('p05', 3e-3, 1, 2.1)]
+    md = '\n'.join(reports.at_best_lr(runs, ['preln', 'p05'], [1], [1e-3, 3e-3]))
+    assert '| preln | 2.000 (lr 0.001) |' in md and '| p05 | 2.100 (lr 0.003), +0.100 |' in md
