@@ -507,12 +507,14 @@ def submit(jobs, preset, launcher, args, eval_args, t0):
 
 
 def code_version():
-    """The commit the sweep ran (with '+local changes' if the tree differed from it), for the report."""
+    """The commit the sweep ran (with '+local changes' if the code differed from it), for the report. The
+    reports in assets/ do not count: a sweep rewrites them."""
     def git(*a):
         proc = subprocess.run(['git', '-C', REPO, *a], capture_output=True, text=True)
         return proc.stdout.strip() if proc.returncode == 0 else ''
     commit = git('rev-parse', '--short=12', 'HEAD') or 'unknown'
-    return commit + (' + local changes' if git('status', '--porcelain', '--untracked-files=no') else '')
+    changed = git('status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)assets')
+    return commit + (' + local changes' if changed else '')
 
 
 def resolved_dtype(cfg):
