@@ -140,7 +140,6 @@ def test_every_marked_table_row_matches_one_line_of_its_report():
     assert not problems, '\n'.join(problems)
 
 
-@pytest.mark.xfail(strict=False, reason='lead marks the remaining tables')
 def test_every_results_table_names_its_source():
     unmarked = [f"{shown(path)}:{t[0]}" for path, t in results_tables()
                 if not (t[1] and (FROM.match(t[1]) or NOT_FROM.match(t[1])))]
