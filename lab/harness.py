@@ -128,21 +128,19 @@ class NanoLoop(LM):
 
     def generate_until(self, requests, disable_tqdm=False):
         # greedy, one request at a time: engine.generate has no padding mask for prompts of unequal length.
-        # It runs in chunks of 8, 16, 32, ... tokens until a stop string shows up or max_gen_toks are out.
+        # One generate call of max_gen_toks, cut at the first stop string: calls in chunks would each start
+        # a fresh cache and, past the block size, crop the context at other places than one call does
         out, bs = [], self.model.config.block_size
         desc = f"generate_until, n_loop={self.n_loop}"
         for r in tqdm(requests, desc=desc, disable=disable_tqdm, mininterval=2):
             context, kw = r.args
             until = kw.get('until') or []
             until = [until] if isinstance(until, str) else until
-            left = int(kw.get('max_gen_toks', 256))
             idx = torch.tensor([self.tok(context)[-bs:] or [self.prefix]], device=self._device)  # (1, T)
-            T, text, step = idx.size(1), '', 8
-            while left > 0 and not any(u in text for u in until):
-                with self.ctx:
-                    idx, _ = generate(self.model, idx, min(step, left), temperature=0, n_loop=self.n_loop)
-                left, step = left - min(step, left), 2 * step
-                text = self.decode(idx[0, T:].tolist())
+            with self.ctx:
+                y, _ = generate(self.model, idx, int(kw.get('max_gen_toks', 256)), temperature=0,
+                                n_loop=self.n_loop)
+            text = self.decode(y[0, idx.size(1):].tolist())
             for u in until:
                 text = text.split(u)[0]
             out.append(text)
