@@ -12,6 +12,7 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
     python lab/ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm
     python lab/ablate.py kappa       # paper 2's visit alignment kappa_R over training, R in {1, 2, 4, 8}
     python lab/ablate.py escape      # paper 2's p-sweep: runs that leave the unigram floor, R = 3, 5 seeds
+    python lab/ablate.py escape_r7   # the same at R = 7, where the laptop model's small exponents fail
     python lab/ablate.py lr_transfer # loop-scaled residuals (§3): best LR per R with and without eps
     python lab/ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python lab/ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --max_iters=100
@@ -135,6 +136,12 @@ PRESETS = {
                   tags=dict(p=p))
               for p in ESCAPE_PS]),
 }
+# the same p-sweep at R = 7: at this laptop size the smaller exponents fail there, not at R = 3
+PRESETS['escape_r7'] = dict(
+    PRESETS['escape'], report='escape',
+    title="DeepLoop's escape fractions at laptop size, R = 7: sandwich p in {0, 1/4, 0.3, 0.4, 0.5, 0.6}, "
+          "lr 3e-3",
+    arms=[dict(a, overrides=dict(a['overrides'], n_loop=7)) for a in PRESETS['escape']['arms']])
 
 # the recurrent-depth family at the blind-spot sweep's size (docs/papers.md §4); each arm adds to the one
 # before up to the random-depth arm; n_loop = 3 makes the sampled depth's mean 4 (n_loop + 1)

@@ -596,3 +596,11 @@ def test_best_lr_comparison_takes_each_variants_own_best_lr():
             run('p05', 3e-3, 1, 2.1)]
     md = '\n'.join(reports.at_best_lr(runs, ['preln', 'p05'], [1], [1e-3, 3e-3]))
     assert '| preln | 2.000 (lr 0.001) |' in md and '| p05 | 2.100 (lr 0.003), +0.100 |' in md
+
+
+def test_escape_r7_is_the_escape_sweep_at_seven_loops():
+    # the laptop model's small exponents fail at R = 7, so the paper's R = 3 p-sweep is repeated there
+    r3, r7 = ablate.PRESETS['escape'], ablate.PRESETS['escape_r7']
+    assert [a['name'] for a in r7['arms']] == [a['name'] for a in r3['arms']] and r7['seeds'] == r3['seeds']
+    assert {a['overrides']['n_loop'] for a in r7['arms']} == {7}
+    assert {a['overrides']['n_loop'] for a in r3['arms']} == {3}  # the R = 3 preset is left as it was
