@@ -569,9 +569,9 @@ def versus_baseline(runs, variants, Rs, lrs):
 def at_best_lr(runs, variants, Rs, lrs):
     """Each variant at its own best LR per R (the lowest mean final loss over seeds), and its difference from
     the baseline at the baseline's best LR: the comparison that does not favour either block's LR."""
-    def best(v, R):
+    def best(v, R):  # (lowest mean loss, its lr), or (None, None) when no run of the cell finished
         means = [(mean([final_loss(r) for r in runs_of(runs, variant=v, R=R, lr=lr)]), lr) for lr in lrs]
-        return min((m, lr) for m, lr in means if m is not None) if any(m for m, _ in means) else (None, None)
+        return min(((m, lr) for m, lr in means if m is not None), default=(None, None))
     lines = [f"Each variant at its best LR (mean over seeds), and minus {variants[0]} at its best LR:", "",
              "| variant | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]
     for v in variants:
