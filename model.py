@@ -50,6 +50,7 @@ class GPTConfig:
     mlp: str = 'swiglu'            # swiglu (width 4C, three matrices) | gelu (nanoGPT's)
     norm: str = 'rmsnorm'          # the norm inside blocks: rmsnorm | layernorm
     init: str = 'reference'        # reference (PyTorch defaults, wte ~ N(0,1)) | gpt2 (N(0, 0.02))
+    embd_std: float = 0.0          # std of wte (and a learned wpe) at init; 0 = the init's own (1 | 0.02)
     readout: str = 'rmsnorm'       # before the LM head: rmsnorm | layernorm | raw | final_only (§1)
     supervision: str = 'per_loop'  # per_loop (mean of the R exit CEs) | terminal (exit R only)
     norm_penalty: float = 0.0      # lambda of lambda * mean_k mean(h_k^2) (§1); 0 = off
@@ -371,6 +372,11 @@ class GPT(nn.Module):
             for p in self.parameters():
                 if p.dim() == 2:
                     nn.init.normal_(p, mean=0.0, std=0.02)
+        if cfg.embd_std > 0:
+            # one init's embedding scale under the other's block matrices: it splits the two (§1)
+            for emb in (self.transformer.wte, self.transformer.wpe):
+                if isinstance(emb, nn.Embedding):
+                    nn.init.normal_(emb.weight, mean=0.0, std=cfg.embd_std)
         # docs/papers.md §2: beta is an init-only gain on W_v, the attention output projection and
         # every MLP matrix (not on W_q, W_k or the embeddings)
         if cfg.beta != 1.0:

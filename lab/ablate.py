@@ -83,7 +83,9 @@ DEEPLOOP_VARIANTS = [  # (name, block, depth_scaling): docs/papers.md §2's alph
 ]
 
 DEEPLOOP_RS = (1, 3, 5, 7)    # the paper's loop counts at fixed K (docs/papers.md §2)
-DEEPLOOP_LRS = (1e-3, 3e-3)   # post-norm blocks are far more LR-sensitive than pre-norm ones
+# each block's LR grid, wide enough that every (block, R) cell's best LR is inside it: pre-norm's best
+# falls with R (3e-4 at R = 8 in lr_transfer), the sandwich blocks' lies higher (docs/results.md)
+DEEPLOOP_LRS = dict(preln=(1e-4, 3e-4, 1e-3, 3e-3), sandwich=(3e-4, 1e-3, 3e-3, 1e-2))
 KAPPA_RS = (1, 2, 4, 8)       # loop counts of the kappa_R and LR-transfer sweeps (gamma from kappa_R vs R)
 KAPPA_SEED = 11               # not a seed of the deeploop sweep, so its runs are other evidence
 KAPPA_LR = 3e-3               # the deeploop sweep's LR where sandwich p = 0 stays on the floor at R >= 4
@@ -108,11 +110,12 @@ PRESETS = {
             arm('loop_raw_gpt2', 'config/loop_raw.py', init='gpt2'),
         ]),
     'deeploop': dict(
-        title="Paper 2, DeepLoop: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 3, 5, 7}, two LRs",
+        title="Paper 2, DeepLoop: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 3, 5, 7}, "
+              "four LRs per block",
         laptop='config/laptop_deeploop.py', seeds=(1, 2, 3), eval_depth=False, report='deeploop',
         arms=[arm(f'{v}-R{R}-lr{lr:g}', block=block, depth_scaling=ds, n_loop=R, learning_rate=lr,
                   tags=dict(variant=v, R=R, lr=lr))
-              for lr in DEEPLOOP_LRS for R in DEEPLOOP_RS for v, block, ds in DEEPLOOP_VARIANTS]),
+              for v, block, ds in DEEPLOOP_VARIANTS for lr in DEEPLOOP_LRS[block] for R in DEEPLOOP_RS]),
     'kappa': dict(
         title="Visit alignment kappa_R over training: pre-norm and sandwich p in {0, 1/4, 1/2}, "
               "R in {1, 2, 4, 8}",
@@ -178,6 +181,17 @@ PRESETS['init_gpt2'] = dict(
     laptop='config/laptop_blindspot.py', seeds=(1337, 1, 2), eval_depth=True, report='blindspot',
     arms=[arm('loop_rmsnorm_gpt2', 'config/loop_rmsnorm.py', init='gpt2'),
           arm('loop_raw_gpt2', 'config/loop_raw.py', init='gpt2')])
+# the init confound split: the embedding std and the block matrices' init, each from either init, under
+# the blind-spot pair (docs/papers.md §1); the four corners x RMSNorm/raw readout x three seeds
+INITS = [('reference', 'reference', 0.0), ('reference_emb0.02', 'reference', 0.02),
+         ('gpt2_emb1', 'gpt2', 1.0), ('gpt2', 'gpt2', 0.0)]
+PRESETS['init_split'] = dict(
+    title="Paper 1's init confound split: embedding std (1 | 0.02) x block init (reference | gpt2), "
+          "per-loop RMSNorm vs raw readout, three seeds",
+    laptop='config/laptop_blindspot.py', seeds=(1337, 1, 2), eval_depth=True, report='blindspot',
+    arms=[arm(f'loop_{r}-{name}', f'config/loop_{r}.py', init=init, embd_std=std,
+              tags=dict(init=name, readout=r))
+          for name, init, std in INITS for r in ('rmsnorm', 'raw')])
 LONG = dict(max_iters=2000, eval_interval=50)
 PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
     title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",
