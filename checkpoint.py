@@ -75,9 +75,14 @@ def load(path, device='cpu'):
 RETIRED_KEYS = {'bias': False, 'tie_weights': True, 'exit_weights': ()}
 
 
+# keys that earlier versions of model.py named otherwise: old name -> new name
+RENAMED_KEYS = {'loop_eps': 'loop_lambda'}
+
+
 def model_args(args, path):
-    """A checkpoint's model arguments without retired keys; dies if one held a value no longer built."""
-    args = dict(args)
+    """A checkpoint's model arguments without retired keys, renamed keys under their new names; dies if a
+    retired key held a value no longer built."""
+    args = {RENAMED_KEYS.get(k, k): v for k, v in args.items()}
     for key, only in RETIRED_KEYS.items():
         value = args.pop(key, only)
         if (tuple(value) if key == 'exit_weights' else value) != only:

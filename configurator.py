@@ -61,7 +61,7 @@ def check_model(cfg):
         value = getattr(cfg, key)
         require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
                 f"{key}={value!r}: must be an integer >= {low}")
-    for key in ('dropout', 'norm_penalty', 'loop_eps', 'exit_entropy', 'embd_std'):
+    for key in ('dropout', 'norm_penalty', 'loop_lambda', 'exit_entropy', 'embd_std'):
         value = getattr(cfg, key)
         require(math.isfinite(value), f"{key}={value!r}: must be a finite number")
     require(cfg.n_embd % cfg.n_head == 0,
@@ -71,9 +71,9 @@ def check_model(cfg):
     require(0.0 <= cfg.dropout < 1.0, f"dropout={cfg.dropout!r}: must be in [0, 1)")
     require(cfg.norm_penalty >= 0, f"norm_penalty={cfg.norm_penalty!r}: must be >= 0")
     require(cfg.embd_std >= 0, f"embd_std={cfg.embd_std!r}: must be >= 0 (0 = the init's own)")
-    require(cfg.loop_eps >= 0, f"loop_eps={cfg.loop_eps!r}: must be >= 0 (0 = off)")
-    require(cfg.loop_eps == 0 or cfg.block == 'preln',
-            "loop_eps scales pre-norm branches: it needs block='preln'")
+    require(cfg.loop_lambda >= 0, f"loop_lambda={cfg.loop_lambda!r}: must be >= 0 (0 = off)")
+    require(cfg.loop_lambda == 0 or cfg.block == 'preln',
+            "loop_lambda scales pre-norm branches: it needs block='preln'")
     cfg.depth_scaling = parse_depth_scaling(cfg.depth_scaling)
     require(cfg.depth_exponent == 0 or cfg.block != 'preln', f"depth_scaling={cfg.depth_scaling!r} "
             f"scales post-norm skips: use block='postln' or 'sandwich'")

@@ -130,15 +130,13 @@ def clamped_states(model, idx, n_loop=None, clamp='none'):
     per-token RMS. The clamped state is what is read out and what enters the next loop."""
     assert clamp in CLAMPS, f"clamp={clamp!r}: choose one of {', '.join(CLAMPS)}"
     R = model.config.n_loop if n_loop is None else n_loop
-    x = e = model.untied('prelude', model.embed(idx))
-    states, loops, sent = [], model.loops(x, R), None
-    for k in range(1, R + 1):
-        _, h = loops.send(sent)
+    h = e = model.prelude(idx)
+    states = []
+    for k in range(1, R + 1):  # one loop at a time: the clamped h_k is what loop k+1 reads
+        h_prev, h = h, model.loops(h, e, [k])[0]
         if k > 1 and clamp == 'radial':
             h = remove_radial(h, h_prev)
         elif k > 1 and clamp == 'freeze':
             h = rescale_rms(h, states[0])
         states.append(h)
-        if clamp != 'none':  # the clamped h_k enters loop k+1, through the model's own carry
-            h_prev, sent = h, (h, e)
     return states

@@ -5,17 +5,18 @@ A looped transformer keeps K distinct layers (`n_layer`) and runs that stack R t
 the unrolled depth is N = K*R, the parameters are those of K layers. Each round ("loop") ends in an
 exit, where the state h_k can be read out into logits: per-loop supervision and early exits.
 
-It implements two papers (formulas and numbers in docs/papers.md):
+It implements the papers of docs/papers.md, each with its own group of GPTConfig keys:
 1) The readout blind spot (§1): cross-entropy through a scale-invariant readout cannot see ||h||,
-   so pre-norm recurrence lets the state grow. Keys: readout, supervision, norm_penalty,
-   inter_loop_norm.
+   so pre-norm recurrence lets the state grow.
 2) DeepLoop (§2): post-norm blocks with alpha = (2N)^p on the skip path and an init gain
-   beta = (8N)^-p; p = 1/4 is DeepNorm, p = 1/2 DeepLoop. Keys: block, depth_scaling.
-And the recurrent-depth family around them (§4, off by default): prelude and coda blocks,
-input injection, a random loop count per step (Huginn) and a learned exit gate (Ouro).
+   beta = (8N)^-p; p = 1/4 is DeepNorm, p = 1/2 DeepLoop.
+3) Loop-scaled residuals (§3): h <- h + eps f(h), eps = lambda / (R sqrt K).
+4) The recurrent-depth family (§4, off by default): prelude and coda blocks, input injection, a
+   random loop count per step (Huginn) and a learned exit gate (Ouro).
 
 Where to look: the loop is GPT.loops, the readout GPT.readout_norm, the loss GPT.loss, the scaling
-rule GPTConfig.alpha and GPTConfig.beta. Decoding (KV cache, early exits) lives in engine.py.
+rule GPTConfig.alpha and GPTConfig.beta. The speed kernels (attention, the chunked cross-entropy)
+are in kernels.py; decoding (KV cache, early exits) is in engine.py.
 """
 
 import inspect
@@ -25,10 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint
 
-from hardware import attention_path, peak_flops
+import kernels
+from hardware import peak_flops
 
 LOOP_SIGMA = 0.5  # sigma of the sampled depth's log-normal (Huginn's 1/2, docs/papers.md §4)
 # depth_scaling by name -> the exponent p of alpha = (2N)^p and beta = (8N)^-p (§2)
@@ -39,6 +39,7 @@ DEPTH_EXPONENTS = {'none': 0.0, 'deepnorm': 0.25, 'deeploop': 0.5}
 class GPTConfig:
     # every field is a config key of train.py too (--n_loop=8); choices and ranges are checked in
     # configurator.py; the defaults are the embedded default run
+    # ---- the looped GPT ----
     block_size: int = 64           # context length T
     vocab_size: int = 65           # V; train.py reads it from meta.json unless set
     n_layer: int = 2               # K: distinct layers in the shared stack
@@ -51,15 +52,18 @@ class GPTConfig:
     norm: str = 'rmsnorm'          # the norm inside blocks: rmsnorm | layernorm
     init: str = 'reference'        # reference (PyTorch defaults, wte ~ N(0,1)) | gpt2 (N(0, 0.02))
     embd_std: float = 0.0          # std of wte (and a learned wpe) at init; 0 = the init's own (1 | 0.02)
-    readout: str = 'rmsnorm'       # before the LM head: rmsnorm | layernorm | raw | final_only (§1)
+    attn_impl: str = 'auto'        # auto | sdpa | math | explicit: one result, only speed differs
+    # ---- §1 the readout blind spot ----
+    readout: str = 'rmsnorm'       # before the LM head: rmsnorm | layernorm | raw | final_only
     supervision: str = 'per_loop'  # per_loop (mean of the R exit CEs) | terminal (exit R only)
-    norm_penalty: float = 0.0      # lambda of lambda * mean_k mean(h_k^2) (§1); 0 = off
+    norm_penalty: float = 0.0      # lambda of lambda * mean_k mean(h_k^2); 0 = off
     inter_loop_norm: str = 'none'  # none | rmsnorm | layernorm between loops | readout (Ouro, §4)
+    # ---- §2 DeepLoop ----
     block: str = 'preln'           # preln | postln (DeepNorm) | sandwich (DeepLoop), see Block
     depth_scaling: object = 'none'  # none | deepnorm (p = 1/4) | deeploop (p = 1/2) | a number p
-    loop_eps: float = 0.0          # lambda of the branch multiplier lambda/(R sqrt K) (§3); 0 = off
-    attn_impl: str = 'auto'        # auto | sdpa | math | explicit: one result, only speed differs
-    # the recurrent-depth family (docs/papers.md §4); the defaults switch every piece off
+    # ---- §3 loop-scaled residuals ----
+    loop_lambda: float = 0.0       # lambda of the branch multiplier eps = lambda/(R sqrt K); 0 = off
+    # ---- §4 the recurrent-depth family; the defaults switch every piece off ----
     n_prelude: int = 0             # untied blocks before the loop; their output e is re-injected
     n_coda: int = 0                # untied blocks after every exit, before the readout norm
     injection: str = 'none'        # how e re-enters loops 2..R: none | add | concat (W [x; e])
@@ -95,11 +99,11 @@ class GPTConfig:
         return (8 * self.n_unrolled) ** (-self.depth_exponent)  # §2: beta = (8N)^-p, init only
 
     @property
-    def branch_eps(self):
+    def eps(self):
         # §3 (Wang et al.): h <- h + eps f(h) with eps = lambda / (R sqrt K); 1 when off
-        if self.loop_eps == 0:
+        if self.loop_lambda == 0:
             return 1.0
-        return self.loop_eps / (self.n_loop * math.sqrt(self.n_layer))
+        return self.loop_lambda / (self.n_loop * math.sqrt(self.n_layer))
 
 
 def make_norm(kind, n_embd):
@@ -111,35 +115,6 @@ def apply_rope(x, cos, sin):
     # x (B, nh, T, hs); rotate the two halves of each head by position-dependent angles
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-
-
-def attention(q, k, v, causal, impl='auto', dropout_p=0.0):
-    """softmax(q k^T / sqrt(hs) + mask) v, q (B, nh, Tq, hs), k and v (B, nh, Tk, hs).
-    Three paths give one result: 'sdpa' (flash where available), 'math' (its reference kernel)
-    and 'explicit'; 'auto' takes the fastest here (hardware.py). causal: query i is position
-    Tk - Tq + i and sees keys 0..Tk - Tq + i (the queries are the last Tq of the keys)."""
-    impl = attention_path(impl, q.device.type, q.dtype, k.size(-2))
-    B, nh, Tq, hs = q.shape
-    Tk = k.size(-2)
-    assert Tq <= Tk, f"{Tq} queries but only {Tk} keys: the queries must be the last of the keys"
-    if impl in ('sdpa', 'math'):
-        # is_causal aligns its mask top-left, right only when Tq == Tk (training, a prompt at 0);
-        # new tokens after a cached history (Tq < Tk) need it bottom-right: a boolean mask
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq) \
-            if causal and Tq < Tk else None
-        args = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None)
-        if impl == 'math':
-            with sdpa_kernel(SDPBackend.MATH):
-                return F.scaled_dot_product_attention(q, k, v, **args)
-        return F.scaled_dot_product_attention(q, k, v, **args)
-    # scores / sqrt(hs) + mask in one batched matmul; the mask is -inf above the diagonal that
-    # starts at key Tk - Tq (the main one when Tq == Tk)
-    mask = torch.full((Tq, Tk), -math.inf if causal else 0.0, dtype=q.dtype, device=q.device)
-    att = torch.baddbmm(mask.triu(1 + Tk - Tq), q.reshape(B * nh, Tq, hs),
-                        k.reshape(B * nh, Tk, hs).transpose(1, 2), alpha=1.0 / math.sqrt(hs))
-    att = F.softmax(att, dim=-1)  # (B*nh, Tq, Tk)
-    att = F.dropout(att, dropout_p) if dropout_p > 0 else att
-    return (att @ v.reshape(B * nh, Tk, hs)).view(B, nh, Tq, hs)
 
 
 class CausalSelfAttention(nn.Module):
@@ -169,7 +144,9 @@ class CausalSelfAttention(nn.Module):
             # decoding (engine.py): the new keys and values join this visit's cache slot, and the
             # T new tokens (a prompt at 0, or drafts to verify at pos > 0) see positions 0..pos+T-1
             k, v = kv.update(k, v, pos)
-        y = attention(q, k, v, T > 1, self.attn_impl, self.attn_dropout if self.training else 0.0)
+        # softmax(q k^T / sqrt(hs) + causal mask) v; the T queries are the last T of the keys
+        dropout = self.attn_dropout if self.training else 0.0
+        y = kernels.attention(q, k, v, T > 1, self.attn_impl, dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.c_proj(y)
 
@@ -212,97 +189,22 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
         self.alpha = config.alpha       # docs/papers.md §2: alpha = (2N)^p on the skip path
-        self.eps = config.branch_eps    # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
+        self.eps = config.eps           # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
     def forward(self, x, rope=None, kv=None, pos=0):
         x = self.pn_1(self.residual(x, self.attn(self.ln_1(x), rope, kv, pos)))
         x = self.pn_2(self.residual(x, self.mlp(self.ln_2(x))))
         return x
 
+    def keys_values(self, x, rope=None):
+        # the keys and values this block's attention computes from x (B, T, C): what a cache holds
+        _, k, v = self.attn.qkv(self.ln_1(x), rope)
+        return k, v
+
     def residual(self, x, fx):
         # alpha * x + eps * f(x). A factor of 1 is left out: exact, and in eager mode on a CPU it
         # saves a pass over the tensor (~14% of a bf16 block's time when alpha = eps = 1)
         return (x if self.alpha == 1 else self.alpha * x) + (fx if self.eps == 1 else self.eps * fx)
-
-
-def ce_chunk_rows(V, device):
-    # rows per chunk of the readout: the (rows, V) fp32 logits take ~16 MiB on a CPU and ~1 GiB
-    # on a GPU, where a few large matmuls keep the head fast
-    return max(1, (2 ** 28 if device.type == 'cuda' else 2 ** 22) // V)
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """sum_k w_k * CE(h_k @ W^T, targets) without keeping any (B, T, V) logits alive.
-
-    Per-loop supervision reads out R states, and autograd would keep R logit tensors of B*T*V
-    floats for the backward pass (the largest tensors in the model at GPT-2's vocabulary). Here
-    the forward pass walks over row chunks and computes each chunk's logits, loss and gradient
-    (softmax - onehot) at once, keeping only dL/dh (B, T, C) and one dL/dW (V, C). The backward
-    pass only scales them. The flops are a plain head's; the memory of R exits about one's.
-    """
-
-    @staticmethod
-    def forward(ctx, weight, targets, exit_weights, xs):
-        # xs (E, B, T, C): the readout inputs of the E supervised exits, one tensor (a list would
-        # break torch.compile's graph); exit_weights: E floats
-        V, C = weight.shape
-        tgt = targets.reshape(-1)
-        valid = tgt != -1
-        tgt = tgt.clamp(min=0)
-        n = valid.sum().clamp(min=1).float()
-        rows = ce_chunk_rows(V, weight.device)
-        loss = torch.zeros((), dtype=torch.float32, device=weight.device)
-        grad_w = torch.zeros(V, C, dtype=torch.float32, device=weight.device)
-        grad_xs = torch.empty_like(xs)
-        for e, wk in enumerate(exit_weights):
-            x, grad_x = xs[e].reshape(-1, C), grad_xs[e].view(-1, C)
-            for i in range(0, x.size(0), rows):
-                xc, tc, vc = x[i:i + rows], tgt[i:i + rows], valid[i:i + rows]
-                logits = (xc @ weight.t()).float()                        # (rows, V)
-                logp = torch.log_softmax(logits, dim=-1)
-                loss = loss - wk * (logp.gather(1, tc[:, None]).squeeze(1) * vc).sum()
-                del logp
-                # softmax has its own kernel: exp() of shifted logits that underflow (common at
-                # early exits) is ~10x slower on CPUs
-                g = torch.softmax(logits, dim=-1)                         # (rows, V)
-                del logits
-                g[torch.arange(g.size(0), device=g.device), tc] -= 1.0    # p - onehot
-                g *= (vc * (wk / n))[:, None]
-                g = g.to(xc.dtype)
-                grad_x[i:i + rows] = g @ weight.to(xc.dtype)
-                grad_w += g.t() @ xc
-        ctx.save_for_backward(grad_w.to(weight.dtype), grad_xs)
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_w, grad_xs = ctx.saved_tensors
-        return grad_w * grad_out, None, None, grad_xs * grad_out
-
-
-def cross_entropy_chunked(h, weight, targets):
-    # CE(h @ W^T, targets) without grad, in the same row chunks (diagnostics at every exit)
-    V, C = weight.shape
-    x, tgt = h.reshape(-1, C), targets.reshape(-1)
-    rows = ce_chunk_rows(V, h.device)
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for i in range(0, x.size(0), rows):
-        logits = (x[i:i + rows] @ weight.t()).float()
-        total += F.cross_entropy(logits, tgt[i:i + rows], ignore_index=-1, reduction='sum')
-    return total / (tgt != -1).sum().clamp(min=1)
-
-
-def token_ce(h, weight, targets):
-    # per-token CE (B*T,) of h @ W^T with a gradient, for losses that weight every token's CE
-    # (the learned gate). Each chunk's logits are recomputed in the backward pass (checkpoint),
-    # so no (B*T, V) tensor outlives its chunk.
-    V, C = weight.shape
-    x, tgt = h.reshape(-1, C), targets.reshape(-1)
-    rows = ce_chunk_rows(V, h.device)
-    ce = lambda xc, tc: F.cross_entropy((xc @ weight.t()).float(), tc, ignore_index=-1,
-                                        reduction='none')
-    return torch.cat([checkpoint(ce, x[i:i + rows], tgt[i:i + rows], use_reentrant=False)
-                      for i in range(0, x.size(0), rows)])
 
 
 def exit_distribution(lam):
@@ -355,8 +257,6 @@ class GPT(nn.Module):
             self.register_buffer('rope_cos', freqs.cos(), persistent=False)
             self.register_buffer('rope_sin', freqs.sin(), persistent=False)
         self._init_weights()
-        print("number of parameters: %.2fM (K=%d layers looped R=%d times, N=%d unrolled)"
-              % (self.get_num_params() / 1e6, config.n_layer, config.n_loop, config.n_unrolled))
 
     @torch.no_grad()
     def _init_weights(self):
@@ -412,14 +312,18 @@ class GPT(nn.Module):
             return None
         return self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
 
-    def untied(self, part, x, cache=None, pos=0):
-        # the prelude or the coda (§4): blocks that run once, each with its own cache slot
+    def run_untied(self, part, x, cache=None, pos=0):
+        # the prelude or the coda (§4): blocks of their own, run once per pass, each with a cache slot
         rope = self.rope(pos, x.size(1))
         for j, block in enumerate(self.transformer[part]):
             x = block(x, rope, None if cache is None else cache.slot(part, j), pos)
         return x
 
-    def carry(self, h, e):
+    def prelude(self, idx, cache=None, pos=0):
+        # e, what loop 1 reads and injection re-feeds: the embedded tokens after the prelude (§4)
+        return self.run_untied('prelude', self.embed(idx, pos), cache, pos)
+
+    def loop_input(self, h, e):
         # what enters the next loop: the inter-loop norm (§1), then the prelude output e (§4)
         x = self.transformer.ln_loop(h)
         if self.config.injection == 'add':
@@ -428,29 +332,29 @@ class GPT(nn.Module):
             return self.transformer.adapter(torch.cat([x, e], dim=-1))  # (B, T, 2C) -> (B, T, C)
         return x
 
-    def loops(self, x, n_loop, cache=None, pos=0):
-        """The recurrence. x (B, T, C) enters loop 1: the embedded tokens after the prelude, and
-        the e that injection re-feeds. Yields (k, h_k) for k = 1..n_loop, h_k being the state
-        after loop k's blocks, before any norm: where ||h_k|| is measured (docs/papers.md §1).
-        A caller that acts between loops sends back (h_k, e) changed: a clamp, fewer rows."""
-        rope = self.rope(pos, x.size(1))
-        e, b, grad = x, self.config.backprop_loops, torch.is_grad_enabled()
-        for k in range(1, n_loop + 1):
+    def loops(self, x, e, ks, cache=None, pos=0):
+        """The recurrence h_k = blocks(loop_input(h_{k-1}, e)), h_0 = e, for the loops k in ks (in
+        order: range(1, R + 1) is a whole pass). x (B, T, C) is what the first of them reads: e for
+        loop 1, else h_{k-1}. Returns [h_k for k in ks], each the state after loop k's blocks,
+        before any norm: where ||h_k|| is measured (docs/papers.md §1)."""
+        rope, states = self.rope(pos, x.size(1)), []
+        last, b, grad = ks[-1], self.config.backprop_loops, torch.is_grad_enabled()
+        for k in ks:
             # truncated backprop (§4): only the last b loops build a graph (b = 0: all of them)
-            with torch.set_grad_enabled(grad and (b == 0 or k > n_loop - b)):
+            with torch.set_grad_enabled(grad and (b == 0 or k > last - b)):
                 if k > 1:
-                    x = self.carry(x, e)
+                    x = self.loop_input(x, e)
                 for j, block in enumerate(self.transformer.h):  # the same K blocks every round
                     x = block(x, rope, None if cache is None else cache.slot('loop', j, k), pos)
-            sent = yield k, x
-            if sent is not None:
-                x, e = sent
+            states.append(x)
+        return states
 
     def states(self, idx, n_loop=None):
         # [h_1, ..., h_R] of tokens idx (B, T); n_loop overrides the trained R
         R = self.config.n_loop if n_loop is None else n_loop
         assert isinstance(R, int) and R >= 1, f"n_loop must be an integer >= 1, got {R!r}"
-        return [h for _, h in self.loops(self.untied('prelude', self.embed(idx)), R)]
+        e = self.prelude(idx)
+        return self.loops(e, e, range(1, R + 1))
 
     def draw_n_loop(self, generator):
         # the loop count of one training step. poisson_lognormal (Huginn, docs/papers.md §4):
@@ -476,7 +380,7 @@ class GPT(nn.Module):
 
     def head_input(self, h, k, cache=None, pos=0, R=None):
         # z_k, what the LM head and the exit gate read at exit k: the coda, then the readout norm
-        return self.readout_norm(self.untied('coda', h, cache, pos), k, R)
+        return self.readout_norm(self.run_untied('coda', h, cache, pos), k, R)
 
     def readout(self, h, k):
         # the logits of exit k (1-based) from its state h_k: (..., C) -> (..., V)
@@ -492,50 +396,58 @@ class GPT(nn.Module):
         # docs/papers.md §1: per-loop = (1/R) sum_k CE_k; terminal = CE_R only
         return [1.0 / R] * R if self.config.supervision == 'per_loop' else [0.0] * (R - 1) + [1.0]
 
-    def norm_penalty(self, states):
-        # §1: lambda * mean_k mean_{b,t,d} h_k^2 over the pre-norm states of all R loops, also when
-        # only the last loop is supervised
+    def scale_penalty(self, states):
+        # §1: norm_penalty * mean_k mean_{b,t,d} h_k^2 over the pre-norm states of all R loops, also
+        # when only the last loop is supervised
         mean_sq = torch.stack([h.float().pow(2).mean() for h in states])
         return self.config.norm_penalty * mean_sq.mean()
 
     def gate_loss(self, zs, targets):
         # §4 (Ouro): per token sum_k p(k) CE_k - exit_entropy * H(p), p the exit distribution of
         # the learned gate over the exits' inputs zs [z_1..z_R] (B, T, C)
-        ce = torch.stack([token_ce(z, self.lm_head.weight, targets) for z in zs])   # (R, B*T)
+        W = self.lm_head.weight
+        ce = torch.stack([kernels.token_ce(z, W, targets) for z in zs])         # (R, B*T)
         p = exit_distribution(torch.stack([self.gate(z).flatten() for z in zs]))  # (R, B*T)
         H = -(p * p.clamp(min=1e-12).log()).sum(0)
         valid = (targets.reshape(-1) != -1).float()
         per_token = (p * ce).sum(0) - self.config.exit_entropy * H
         return (per_token * valid).sum() / valid.sum().clamp(min=1)
 
-    def loss(self, states, targets):
-        # the weighted exit CEs (or the gate's expected CE) of the loop states + the norm penalty
-        weights = self.exit_weights(len(states))
-        exits = [k for k, w in enumerate(weights, start=1) if w > 0]
-        zs = [self.head_input(states[k - 1], k, R=len(states)) for k in exits]
+    def exit_inputs(self, states):
+        # z_k of the supervised exits, each read under this pass's R (a sampled depth's)
+        R = len(states)
+        exits = [k for k, w in enumerate(self.exit_weights(R), start=1) if w > 0]
+        return [self.head_input(states[k - 1], k, R=R) for k in exits]
+
+    def loss(self, states, targets, zs=None):
+        # the weighted exit CEs (or the gate's expected CE) of the loop states + the norm penalty;
+        # zs: the exits' inputs, if the caller has them already
+        zs = self.exit_inputs(states) if zs is None else zs
         if self.config.exit_gate == 'learned':
             loss = self.gate_loss(zs, targets)
         else:
-            exit_w = tuple(weights[k - 1] for k in exits)
-            loss = LinearCrossEntropy.apply(self.lm_head.weight, targets, exit_w, torch.stack(zs))
+            # sum_k w_k CE(z_k W^T, y), computed without keeping R (B, T, V) logits (kernels.py)
+            weights = tuple(w for w in self.exit_weights(len(states)) if w > 0)
+            W = self.lm_head.weight
+            loss = kernels.LinearCrossEntropy.apply(W, targets, weights, torch.stack(zs))
         if self.config.norm_penalty > 0:
-            loss = loss + self.norm_penalty(states)
+            loss = loss + self.scale_penalty(states)
         return loss
 
     def forward(self, idx, targets=None, n_loop=None):
+        # the logits of the last position at the final exit (B, 1, V); with targets, the loss too
         states = self.states(idx, n_loop)
-        if targets is None:
-            # inference: only the last position of the final exit is needed
-            z = self.head_input(states[-1], len(states))  # the coda sees every position
-            return self.lm_head(z[:, [-1], :]), None
-        return None, self.loss(states, targets)
+        if targets is None:  # inference: the coda sees every position, the head only the last
+            return self.lm_head(self.head_input(states[-1], len(states))[:, [-1], :]), None
+        zs = self.exit_inputs(states)  # the last is exit R's: every supervision reads exit R
+        return self.lm_head(zs[-1][:, [-1], :]), self.loss(states, targets, zs)
 
     @torch.no_grad()
-    def exit_losses(self, idx, targets, n_loop=None):
+    def exit_metrics(self, idx, targets, n_loop=None):
         # diagnostics: the CE at every exit 1..R, and the mean per-token norm ||h_k|| of every loop
         states = self.states(idx, n_loop)
         W = self.lm_head.weight
-        ce = torch.stack([cross_entropy_chunked(self.head_input(h, k), W, targets)
+        ce = torch.stack([kernels.cross_entropy_chunked(self.head_input(h, k), W, targets)
                           for k, h in enumerate(states, start=1)])
         norms = torch.stack([h.float().norm(dim=-1).mean() for h in states])
         return ce, norms  # (R,), (R,)
@@ -547,10 +459,6 @@ class GPT(nn.Module):
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{'params': decay, 'weight_decay': weight_decay},
                   {'params': no_decay, 'weight_decay': 0.0}]
-        print(f"num decayed parameter tensors: {len(decay)}, "
-              f"with {sum(p.numel() for p in decay):,} parameters")
-        print(f"num non-decayed parameter tensors: {len(no_decay)}, "
-              f"with {sum(p.numel() for p in no_decay):,} parameters")
         # the fused kernel (one pass over every tensor), on GPUs and CPUs alike (PyTorch 2.4+)
         fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters
         extra = dict(fused=True) if fused and device_type in ('cuda', 'cpu') else {}

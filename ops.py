@@ -232,9 +232,9 @@ class BadSteps:
     @torch.no_grad()
     def report(self, X, Y):
         """Which exit's CE or which loop's state went non-finite on batch (X, Y), in a few words.
-        exit_losses runs the same loop as the loss: a NaN that starts at loop k shows from exit k on."""
+        exit_metrics runs the same loop as the loss: a NaN that starts at loop k shows from exit k on."""
         with self.ctx:
-            ce, norms = self.model.exit_losses(X, Y)
+            ce, norms = self.model.exit_metrics(X, Y)
         bad = lambda v: ', '.join(str(k) for k, x in enumerate(v.tolist(), 1) if not math.isfinite(x))
         parts = [f"CE at exit {bad(ce)}"] * bool(bad(ce))
         parts += [f"||h_k|| at loop {bad(norms)}"] * bool(bad(norms))

@@ -259,7 +259,7 @@ def estimate_loss():
         for _ in range(eval_iters):
             X, Y = get_batch(split, gen)
             with ctx:
-                ce, norms = raw_model.exit_losses(X, Y)
+                ce, norms = raw_model.exit_metrics(X, Y)
             stats += torch.stack([ce.float(), norms.float()])
         stats /= eval_iters
         if ddp:

@@ -3,4 +3,4 @@
 # h <- h + eps f(Norm h). Their claim: with eps the best learning rate depends on K only, not on R.
 # lambda is not published; 1.0 is the natural default. Composes with any pre-norm arm.
 block = 'preln'
-loop_eps = 1.0
+loop_lambda = 1.0

@@ -66,7 +66,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
 from engine import KV_POLICIES, KVCache, exit_score, generate
-from model import GPT, GPTConfig, LinearCrossEntropy
+from kernels import LinearCrossEntropy
+from model import GPT, GPTConfig
 
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
 SIZES = {
@@ -614,7 +615,7 @@ class PlainLoopedGPT(nn.Module):
         cfg = gpt.config
         kind = (cfg.pos, cfg.mlp, cfg.norm, cfg.block, cfg.readout, cfg.supervision, cfg.inter_loop_norm)
         assert kind == ('learned', 'swiglu', 'rmsnorm', 'preln', 'rmsnorm', 'per_loop', 'none'), kind
-        assert cfg.norm_penalty == 0 and cfg.loop_eps == 0 and cfg.dropout == 0
+        assert cfg.norm_penalty == 0 and cfg.loop_lambda == 0 and cfg.dropout == 0
         C, self.n_loop, self.vocab_size = cfg.n_embd, cfg.n_loop, cfg.vocab_size
         self.wte = nn.Embedding(cfg.vocab_size, C)
         self.wpe = nn.Embedding(cfg.block_size, C)

@@ -154,10 +154,9 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
     ce_sum, loops_sum = 0.0, 0
     for i in range(0, X.size(0), batch_size):
         tgt = Y[i:i + batch_size]
-        x = e = model.untied('prelude', model.embed(X[i:i + batch_size]))
-        loops, sent = model.loops(x, R), None
+        h = e = model.prelude(X[i:i + batch_size])
         for k in range(1, R + 1):
-            _, h = loops.send(sent)
+            h = model.loops(h, e, [k])[0]
             if threshold is None and k < R:
                 continue
             logits = model.readout(h, k)
@@ -166,10 +165,10 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
             if bool(out.any()):
                 ce_sum += float(seq_ce(logits[out], tgt[out]).sum())
                 loops_sum += k * int(out.sum())
-            stay, tgt, e = ~out, tgt[~out], e[~out]
+            # rows that exited leave the batch before the next loop
+            h, tgt, e = h[~out], tgt[~out], e[~out]
             if tgt.size(0) == 0:
                 break
-            sent = (h[stay], e)  # rows that exited leave the batch before the next loop
     return ce_sum, loops_sum
 
 

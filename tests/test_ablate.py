@@ -312,8 +312,8 @@ def test_theory_presets_plan_their_grids_as_train_py_resolves_them(repo_dir, mon
     cfg = [j['cfg'] for j in picks]
     keys = ('block', 'depth_scaling', 'n_loop', 'log_kappa')
     assert [cfg[0][k] for k in keys] == ['sandwich', 'deeploop', 8, True]
-    assert [cfg[1][k] for k in ('block', 'loop_eps', 'n_loop', 'learning_rate')] == ['preln', 0.0, 1, 3e-4]
-    assert [cfg[2][k] for k in ('block', 'loop_eps', 'n_loop', 'learning_rate')] == ['preln', 1.0, 8, 1e-2]
+    assert [cfg[1][k] for k in ('block', 'loop_lambda', 'n_loop', 'learning_rate')] == ['preln', 0.0, 1, 3e-4]
+    assert [cfg[2][k] for k in ('block', 'loop_lambda', 'n_loop', 'learning_rate')] == ['preln', 1.0, 8, 1e-2]
     assert not cfg[1]['log_kappa'] and cfg[2]['max_iters'] == 300
     assert ablate.GPTConfig(block='sandwich', depth_scaling=cfg[3]['depth_scaling']).depth_exponent == 0.25
     assert [cfg[3][k] for k in ('n_loop', 'learning_rate', 'seed')] == [3, 3e-3, 2]

@@ -88,7 +88,7 @@ def test_rolling_loglikelihood_is_the_val_ce_times_the_tokens(out, lm):
     for n in (2 * bs, 11):  # two whole windows; one short one
         s = torch.tensor(ids('\n' + text[:n]))
         X, Y = s[:-1].view(-1, min(n, bs)), s[1:].view(-1, min(n, bs))
-        ce, _ = model.exit_losses(X, Y, n_loop=max(DEPTHS))
+        ce, _ = model.exit_metrics(X, Y, n_loop=max(DEPTHS))
         for k in DEPTHS:
             lm.n_loop = k
             got, = lm.loglikelihood_rolling([Instance('loglikelihood_rolling', {}, (text[:n],), 0)])

@@ -9,7 +9,8 @@ from torch.nn import functional as F
 from configurator import MODEL_CHOICES, check_model
 from engine import THRESHOLD_RANGES, KVCache, decode_step, generate
 from hardware import attention_path, auto_dtype, peak_flops
-from model import GPT, GPTConfig, LinearCrossEntropy, attention
+from kernels import LinearCrossEntropy, attention
+from model import GPT, GPTConfig
 
 V, T = 48, 16
 
@@ -144,9 +145,9 @@ def test_final_only_norms_the_last_exit_of_a_sampled_depth(R):
 def test_per_loop_loss_is_the_mean_of_exit_ces_and_terminal_is_the_last():
     idx, tgt = batch()
     per_loop, terminal = tiny(supervision='per_loop'), tiny(supervision='terminal')
-    ce, _ = per_loop.exit_losses(idx, tgt)
+    ce, _ = per_loop.exit_metrics(idx, tgt)
     assert torch.allclose(per_loop(idx, tgt)[1], ce.mean(), atol=1e-5)
-    assert torch.allclose(terminal(idx, tgt)[1], terminal.exit_losses(idx, tgt)[0][-1], atol=1e-5)
+    assert torch.allclose(terminal(idx, tgt)[1], terminal.exit_metrics(idx, tgt)[0][-1], atol=1e-5)
 
 
 def test_norm_penalty_adds_lambda_times_mean_square_of_all_loop_states_and_zero_is_off():
@@ -163,10 +164,10 @@ def test_norm_penalty_adds_lambda_times_mean_square_of_all_loop_states_and_zero_
     assert torch.allclose(off(idx, tgt)[1], ce, atol=1e-6)
 
 
-def test_exit_losses_report_mean_per_token_l2_norm_of_each_loop_state():
+def test_exit_metrics_report_mean_per_token_l2_norm_of_each_loop_state():
     m = tiny()
     idx, tgt = batch()
-    _, norms = m.exit_losses(idx, tgt)
+    _, norms = m.exit_metrics(idx, tgt)
     expected = torch.stack([h.norm(dim=-1).mean() for h in m.states(idx)])
     assert torch.allclose(norms, expected)
 
@@ -174,8 +175,8 @@ def test_exit_losses_report_mean_per_token_l2_norm_of_each_loop_state():
 def test_reference_init_starts_near_sqrt_d_and_gpt2_init_near_zero():
     # docs/papers.md §1: with PyTorch's default init (wte ~ N(0,1)) initial state norms are about sqrt(C)
     idx, tgt = batch()
-    ref = tiny(init='reference', n_embd=64, n_head=4).exit_losses(idx, tgt)[1][0].item()
-    gpt2 = tiny(init='gpt2', n_embd=64, n_head=4).exit_losses(idx, tgt)[1][0].item()
+    ref = tiny(init='reference', n_embd=64, n_head=4).exit_metrics(idx, tgt)[1][0].item()
+    gpt2 = tiny(init='gpt2', n_embd=64, n_head=4).exit_metrics(idx, tgt)[1][0].item()
     assert 0.5 * math.sqrt(64) < ref < 3 * math.sqrt(64) and gpt2 < 1.0
 
 
@@ -296,7 +297,7 @@ def test_alpha_multiplies_the_skip_path_and_the_prenormed_branch_ignores_scale(b
 def test_loop_eps_scales_prenorm_branches_by_lambda_over_R_sqrt_K_and_zero_is_off(lam):
     # docs/papers.md §3: h <- h + eps f(Norm h), eps = lambda / (R sqrt K); lambda = 0 leaves the branch
     # unscaled
-    m = tiny(block='preln', n_layer=2, n_loop=4, loop_eps=lam)
+    m = tiny(block='preln', n_layer=2, n_loop=4, loop_lambda=lam)
     b = m.transformer.h[0]
     eps = lam / (4 * math.sqrt(2)) if lam > 0 else 1.0
     assert math.isclose(b.eps, eps)
@@ -664,9 +665,8 @@ def test_a_cached_multi_token_step_after_position_0_equals_the_full_recompute(kw
         full = m.readout(m.states(idx)[-1], R)  # (B, T, V)
         cache, pos = KVCache(m, 2, R, 'cpu', torch.float32), 0
         for n in (5, 4, 1, 6):
-            x = m.untied('prelude', m.embed(idx[:, pos:pos + n], pos), cache, pos)
-            for _, h in m.loops(x, R, cache, pos):
-                pass
+            e = m.prelude(idx[:, pos:pos + n], cache, pos)
+            h = m.loops(e, e, range(1, R + 1), cache, pos)[-1]
             got = m.lm_head(m.head_input(h, R, cache, pos))
             assert torch.allclose(got, full[:, pos:pos + n], atol=1e-5), (pos, n)
             pos += n

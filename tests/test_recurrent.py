@@ -93,11 +93,11 @@ def test_concat_injection_starts_as_the_identity_and_add_injection_adds_the_prel
     m = tiny(n_prelude=1, injection='add', inter_loop_norm='rmsnorm')
     e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))
     seen = []
-    x = m.untied('prelude', m.embed(X))
-    states = [h for _, h in m.loops(x, 3)]
+    x = m.prelude(X)
+    states = m.loops(x, x, range(1, 4))
     for h, h_next in zip(states, states[1:]):  # loop k+1 starts from ln_loop(h_k) + e
         block_in = m.transformer.ln_loop(h) + e
-        torch.testing.assert_close(h_next, next(m.loops(block_in, 1))[1])
+        torch.testing.assert_close(h_next, m.loops(block_in, e, [1])[0])
 
 
 # -----------------------------------------------------------------------------

@@ -243,7 +243,7 @@ def test_kill_9_during_saves_leaves_a_checkpoint_that_loads_and_resumes(tmp_path
 
 def poison_loops(monkeypatch, bad_call):
     """Make the loop states after loop 1 NaN for training forward passes whose number (1-based) satisfies
-    bad_call. The NaN goes through the real loss, backward and guard; the guard's diagnosis (exit_losses on
+    bad_call. The NaN goes through the real loss, backward and guard; the guard's diagnosis (exit_metrics on
     the same batch, still in training mode) sees it too, so it can name the exits that went bad."""
     import model as M
     state = {'n': 0, 'armed': False}
@@ -466,14 +466,14 @@ DDP_HOOKS = textwrap.dedent('''
     import checkpoint
     rank, dump = os.environ.get('RANK', '0'), os.environ['DUMP']
     rec = {'train': [], 'eval': [], 'saves': 0, 'models': []}
-    forward, exit_losses, init, save, step = (M.GPT.forward, M.GPT.exit_losses, M.GPT.__init__,
+    forward, exit_metrics, init, save, step = (M.GPT.forward, M.GPT.exit_metrics, M.GPT.__init__,
                                               checkpoint.save, torch.optim.AdamW.step)
     def rec_forward(self, idx, targets=None, n_loop=None):
         if self.training and targets is not None:
             rec['train'].append((idx.clone(), targets.clone()))
         return forward(self, idx, targets, n_loop)
-    def rec_exit_losses(self, idx, targets, n_loop=None):
-        ce, norms = exit_losses(self, idx, targets, n_loop)
+    def rec_exit_metrics(self, idx, targets, n_loop=None):
+        ce, norms = exit_metrics(self, idx, targets, n_loop)
         if not self.training:
             rec['eval'].append((ce.clone(), norms.clone()))
         return ce, norms
@@ -490,7 +490,7 @@ DDP_HOOKS = textwrap.dedent('''
             rec['params'] = {n: p.detach().clone() for n, p in m.named_parameters()}
             rec['first_eval'] = list(rec['eval'])
         return step(self, *a, **k)
-    M.GPT.forward, M.GPT.exit_losses, M.GPT.__init__ = rec_forward, rec_exit_losses, rec_init
+    M.GPT.forward, M.GPT.exit_metrics, M.GPT.__init__ = rec_forward, rec_exit_metrics, rec_init
     checkpoint.save, torch.optim.AdamW.step = rec_save, rec_step
     sys.argv = ['train.py'] + sys.argv[1:]
     try:
