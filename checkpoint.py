@@ -191,3 +191,29 @@ def load_streams(ckpt, rank, world_size, train_gen, depth_gen):
     if ckpt.get('world_size') != world_size:
         return f"was written by {ckpt.get('world_size')} process(es), this run has {world_size}"
     return "holds no random-stream states"
+
+
+def restore(ckpt, path, optimizer, scaler, rank, world_size, train_gen, depth_gen, eval_only):
+    """A resumed run's state from its checkpoint: the optimizer (and fp16 scale), every rank's random
+    streams, and (iter_num, best_val_loss, bad steps so far, the iteration already evaluated or None)."""
+    load_optimizer(optimizer, scaler, ckpt, path)
+    iter_num, best_val_loss = ckpt['iter_num'], float(ckpt.get('best_val_loss', float('inf')))
+    # a checkpoint written at an eval was evaluated and logged there; one written when a signal
+    # stopped the run was not, so this run evaluates that iteration as an uninterrupted run would
+    evaluated_at = iter_num if ckpt.get('evaluated', True) and not eval_only else None
+    # every rank continues its own random streams (dropout, data order) where the checkpoint left them
+    why = load_streams(ckpt, rank, world_size, train_gen, depth_gen)
+    if rank == 0:
+        if why:
+            print(f"resume: the checkpoint {why}: random streams are reseeded (not bit for bit from here)")
+        print(f"resuming from {path} at iter {iter_num}")
+    return iter_num, best_val_loss, int(ckpt.get('bad_steps', 0)), evaluated_at
+
+
+def refuse_overwrite(path, init_from, eval_only):
+    """A run from scratch would overwrite an earlier run's checkpoint at its first eval: a forgotten
+    --init_from=resume. Refuse instead, with what to do."""
+    if init_from == 'scratch' and os.path.exists(path) and not eval_only:
+        out_dir = os.path.dirname(path) or '.'
+        die(f"{path} already exists: continue it with --init_from=resume, or start over with another "
+            f"--out_dir (or delete {out_dir})")

@@ -256,6 +256,29 @@ def check(config):
     return gpt_config({k: c[k] for k in model_keys()})
 
 # -----------------------------------------------------------------------------
+# train.py's config, in one call
+
+def configure_run(defaults, argv):
+    """train.py's config: config files and --key=value (argv) over the defaults, and for a resumed run
+    (init_from=resume, or auto with a checkpoint in out_dir) over the checkpoint's config; every key
+    checked. Returns (config, the keys set explicitly, the checkpoint or None, the lines to print)."""
+    import checkpoint  # it imports this module: here, not at the top
+    config, explicit = configure(defaults, argv)
+    config, ckpt, notes = checkpoint.resume(config, explicit)
+    check(config)
+    return config, explicit, ckpt, notes
+
+
+def vocab_size(config, explicit, meta, data_dir):
+    """The model's vocab_size: meta.json's, unless a config file, a flag or the resumed checkpoint set
+    it (then it must hold meta.json's tokens)."""
+    if 'vocab_size' not in explicit:
+        return meta['vocab_size']
+    if config['vocab_size'] < meta['vocab_size']:
+        die(f"vocab_size={config['vocab_size']} is smaller than {data_dir}/meta.json's {meta['vocab_size']}")
+    return config['vocab_size']
+
+# -----------------------------------------------------------------------------
 # resuming
 
 def resume_config(config, explicit, ckpt, path):

@@ -1,13 +1,17 @@
 """
-Training operations: what keeps a long run alive on a laptop or a cluster, so that train.py can
-stay the training loop. train.py calls each of these with a line or two.
+Training operations: the processes and devices a run uses, and what keeps a long run alive on a
+laptop or a cluster, so that train.py can stay the training loop. train.py calls each of these with
+a line or two.
 
+    init_processes DDP from torchrun's environment, this rank's device and CPU threads
+    resolve_dtype  what dtype='auto' trains in here (hardware.py), and why
     StopSignals    Ctrl-C, SIGTERM or SIGUSR1: stop after the current step, save, exit 0
     agree          the step's one all-reduce: the loss, a bad gradient, a stop signal, the loop count
     Saver          the checkpoint write, and what happens when it fails (a full disk)
     BadSteps       a non-finite loss or gradient: skip the update and say where it came from
     ETA            the time to max_iters, for the progress line
     Metrics        out_dir/metrics.jsonl (one JSON object per eval), and wandb
+    mean_kappa     kappa_R at an eval (log_kappa, docs/papers.md §2; diagnostics.py)
     gather, from_rank0, lost_a_rank, end_process_group: DDP helpers and fault handling
 """
 import gc
@@ -17,12 +21,15 @@ import os
 import signal
 import sys
 from collections import namedtuple
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import checkpoint
-from errors import die, first_line
+import hardware
+from diagnostics import visit_alignment
+from errors import die, duration, first_line
 
 
 def ddp():
@@ -35,6 +42,47 @@ def master():
 
 def world_size():
     return dist.get_world_size() if ddp() else 1
+
+# -----------------------------------------------------------------------------
+# processes and devices
+
+def init_processes(device, collective_timeout):
+    """(ddp, rank, local_rank, world_size, device, device_type) of this process. Under torchrun
+    (RANK set) it joins the process group: NCCL on GPUs, gloo on CPUs; a rank that dies or stalls
+    makes the others' next collective fail after at most collective_timeout seconds."""
+    hardware.flush_denormals()  # an underflowing softmax would slow CPU matmuls ~20x (hardware.py)
+    ddp = int(os.environ.get('RANK', -1)) != -1  # is this a torchrun run?
+    rank, local_rank, world_size = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
+                                    int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else \
+            'mps' if torch.backends.mps.is_available() else 'cpu'
+    device_type = 'cuda' if device.startswith('cuda') else device
+    if device_type == 'cuda' and not torch.cuda.is_available():
+        die(f"device={device!r} but torch.cuda.is_available() is False; use --device=cpu")
+    if device_type == 'mps' and not torch.backends.mps.is_available():
+        die("device='mps' but torch.backends.mps.is_available() is False; use --device=cpu")
+    if ddp:
+        if device_type == 'cuda':
+            device = f'cuda:{local_rank}'
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo',
+                                timeout=timedelta(seconds=collective_timeout))
+    if device_type == 'cpu' and 'OMP_NUM_THREADS' not in os.environ:
+        # torch starts one thread per core in every process: share the cores between the ranks
+        # instead (torchrun sets OMP_NUM_THREADS=1 itself; set it to choose the thread count yourself)
+        affinity = getattr(os, 'sched_getaffinity', None)
+        cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // world_size))
+    return ddp, rank, local_rank, world_size, device, device_type
+
+
+def resolve_dtype(dtype, device_type):
+    """(dtype, a note for the log): 'auto' becomes what this chip runs fast (hardware.auto_dtype)."""
+    if dtype != 'auto':
+        return dtype, ''
+    dtype, why = hardware.auto_dtype(device_type)
+    return dtype, f" (auto: {why})"
 
 # -----------------------------------------------------------------------------
 # stopping
@@ -79,7 +127,7 @@ def agree(loss, grad_norm, stop, R):
     return Agreed(loss_sum / n, grad_bad != 0, stops != 0)
 
 
-def stop_at_signal(saver, state, it, signal_name, namespace):
+def stop_at_signal(saver, state, it, signal_name, shutdown):
     """All ranks agreed to stop after this step (a stop signal reached at least one of them): save
     where the run is, say how to continue, exit 0."""
     why = f"stopped by {signal_name or 'a stop signal to another rank'} at iter {it}"
@@ -90,7 +138,7 @@ def stop_at_signal(saver, state, it, signal_name, namespace):
     if ddp():
         # leave at once: the work is saved, and a gloo thread still winding down while the
         # interpreter shuts down can abort the process (exit -6), which a scheduler reads as a failure
-        end_process_group(namespace)
+        shutdown()  # train.py's: drops its DDP wrapper, then ends the group
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -124,12 +172,11 @@ def from_rank0(obj):
     return box[0]
 
 
-def end_process_group(namespace):
-    """On every way out (done, a stop signal, an error): drop the DDP wrapper (namespace['model']),
-    which holds the process group, and destroy the group while Python is still whole. A gloo thread
-    left running into the interpreter's shutdown can abort the process ('terminate called without an
-    active exception')."""
-    namespace.pop('model', None)
+def end_process_group():
+    """On every way out (done, a stop signal, an error), once the caller dropped its DDP wrapper
+    (which holds the process group): destroy the group while Python is still whole. A gloo thread
+    left running into the interpreter's shutdown can abort the process ('terminate called without
+    an active exception')."""
     gc.collect()
     if ddp():
         dist.destroy_process_group()
@@ -260,6 +307,10 @@ class ETA:
     def step(self, it, dt):
         self.step_time = dt if it <= self.start_iter + 1 else 0.9 * self.step_time + 0.1 * dt
 
+    def text(self, it):
+        """left(it) as a short duration: 42s, 4m10s, 3h05m."""
+        return duration(self.left(it))
+
     def left(self, it):
         """Seconds from the end of step it to the end of the run."""
         n, every = self.max_iters, self.eval_interval
@@ -313,3 +364,14 @@ class Metrics:
                             'val/loss': row['val_loss'],
                             **{f'val/ce_exit{k}': v for k, v in enumerate(row['val_ce'], 1)},
                             **{f'norm/h{k}': v for k, v in enumerate(row['norm'], 1)}})
+
+# -----------------------------------------------------------------------------
+# diagnostics at an eval
+
+def mean_kappa(model, X, Y, ctx):
+    """kappa_R of the loss on batch (X, Y), the mean over the shared matrices (docs/papers.md §2)."""
+    model.eval()
+    with ctx:
+        kappa = visit_alignment(model, X, Y)['mean']
+    model.train()
+    return kappa

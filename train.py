@@ -6,7 +6,7 @@ laptop CPU, in the setting where paper 1's readout blind spot appears (docs/pape
 ||h_k|| grow in the eval blocks.
 
     python train.py                                            # the embedded default
-    python train.py config/loop_raw.py                         # one ablation arm
+    python train.py config/loop_raw.py --out_dir=out-raw       # one ablation arm
     python train.py config/paper_44m.py config/loop_raw.py     # a GPU preset, then an arm
     python train.py config/loop_raw.py --max_iters=500 --lr_schedule=cosine
     python train.py --init_from=resume --max_iters=6000        # continue out/ckpt.pt
@@ -16,7 +16,7 @@ laptop CPU, in the setting where paper 1's readout blind spot appears (docs/pape
 
 Ctrl-C, SIGTERM or SIGUSR1 stops a run after the current step with a checkpoint (exit code 0);
 the same command with --init_from=auto continues it bit for bit. ops.py holds the rest of what
-keeps a long run alive: failed saves, non-finite steps, a dead DDP rank.
+keeps a long run alive: the devices and processes, failed saves, non-finite steps, a dead rank.
 """
 
 import atexit
@@ -27,7 +27,6 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -37,9 +36,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 import ops
-from diagnostics import visit_alignment
-from errors import die, duration
-from hardware import auto_dtype, flush_denormals
 from model import GPT, GPTConfig
 from prepare import open_data
 
@@ -59,8 +55,8 @@ init_from = 'scratch'            # scratch | resume (out_dir/ckpt.pt) | auto: re
 print_config = False             # print the resolved config as JSON and exit (lab/ablate.py reads it)
 # wandb logging
 wandb_log = False                # wandb is imported only when this is on
-wandb_project = 'nanoloop'
-wandb_run_name = 'run'
+wandb_project = 'nanoloop'       # the wandb project
+wandb_run_name = 'run'           # the wandb run's name
 # data
 dataset = 'shakespeare_char'     # data/<dataset>/, written by python prepare.py <dataset>
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, shared out over the DDP ranks
@@ -68,9 +64,9 @@ batch_size = 8                   # sequences per micro-batch
 # AdamW optimizer
 learning_rate = 1e-3             # max learning rate (paper 1: 3e-4, slow for a 5-minute run)
 max_iters = 2000                 # total number of training iterations
-weight_decay = 0.01
-beta1 = 0.9
-beta2 = 0.99
+weight_decay = 0.01              # AdamW's decoupled weight decay, on matrices and embeddings
+beta1 = 0.9                      # AdamW's first-moment decay
+beta2 = 0.99                     # AdamW's second-moment decay
 grad_clip = 1.0                  # clip gradients at this norm; 0 = no clipping
 # learning rate schedule (paper 1 trains at a constant LR with no warmup)
 lr_schedule = 'constant'         # constant | cosine (linear warmup, then cosine decay to min_lr)
@@ -86,44 +82,32 @@ device = 'auto'                  # auto (cuda, then mps, then cpu) | cpu | cuda 
 dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 where the chip has it,
                                  # else fp16 on CUDA and fp32 elsewhere (hardware.auto_dtype)
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
-seed = 1337
+seed = 1337                      # weights, dropout, data order and sampled depths follow from it
 # -----------------------------------------------------------------------------
-# the training keys are the plain values above; the model keys come from GPTConfig
+# the training keys are the plain values above; the model keys come from GPTConfig. The config:
+# config files, then --key=value, over a resumed run's checkpoint config (init_from), all checked
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
 defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
-config, explicit = configurator.configure(defaults, sys.argv[1:])  # config files, then --key=value
-config, ckpt, notes = checkpoint.resume(config, explicit)  # init_from=resume or auto
-ckpt_path = os.path.join(config['out_dir'], 'ckpt.pt')
-configurator.check(config)  # the choices and ranges of every key
+config, explicit, ckpt, notes = configurator.configure_run(defaults, sys.argv[1:])
 if config['print_config']:
     print(json.dumps(config))
     sys.exit(0)
 globals().update({k: config[k] for k in config_keys})  # the training keys, as nanoGPT does
 model_args = {k: config[k] for k in configurator.model_keys()}  # the model keys, for GPTConfig
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 # -----------------------------------------------------------------------------
 # processes and devices
 
-flush_denormals()  # an underflowing softmax would slow CPU matmuls ~20x (hardware.py)
-ddp = int(os.environ.get('RANK', -1)) != -1  # is this a torchrun run?
-rank, local_rank, world_size = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
-                                int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
+# torchrun's environment -> DDP over NCCL (GPUs) or gloo (CPUs); this rank's device and threads
+ddp, rank, local_rank, world_size, device, device_type = ops.init_processes(device, collective_timeout)
 master_process = rank == 0  # this process logs and writes checkpoints
-if device == 'auto':
-    device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-device_type = 'cuda' if device.startswith('cuda') else device
-if device_type == 'cuda' and not torch.cuda.is_available():
-    die(f"device={device!r} but torch.cuda.is_available() is False; use --device=cpu")
-if device_type == 'mps' and not torch.backends.mps.is_available():
-    die("device='mps' but torch.backends.mps.is_available() is False; use --device=cpu")
-if ddp:
-    if device_type == 'cuda':
-        device = f'cuda:{local_rank}'
-        torch.cuda.set_device(device)
-    # a rank that dies or stalls makes the others' next collective fail after at most this timeout
-    dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo',
-                            timeout=timedelta(seconds=collective_timeout))
-    atexit.register(ops.end_process_group, globals())  # before the interpreter shuts down
+
+def shutdown():
+    # on every way out: drop the DDP wrapper (it holds the process group), then end the group
+    globals().pop('model', None)
+    ops.end_process_group()
+atexit.register(shutdown)  # before the interpreter shuts down
 stop_signals = ops.StopSignals()  # from here on, Ctrl-C stops the run after a step, with a save
 
 # nanoGPT's convention: gradient_accumulation_steps counts the micro-batches of one optimizer step over
@@ -131,15 +115,7 @@ stop_signals = ops.StopSignals()  # from here on, Ctrl-C stops the run after a s
 micro_steps = math.ceil(gradient_accumulation_steps / world_size)  # per rank and step
 block_size = model_args['block_size']  # the context length T, as the model sees it
 tokens_per_iter = micro_steps * world_size * batch_size * block_size
-if device_type == 'cpu' and 'OMP_NUM_THREADS' not in os.environ:
-    # torch starts one thread per core in every process: share the cores between the ranks instead
-    # (torchrun sets OMP_NUM_THREADS=1 itself; set it to choose the thread count yourself)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // world_size))
-dtype_note = ''
-if dtype == 'auto':
-    dtype, why = auto_dtype(device_type)
-    dtype_note = f" (auto: {why})"
+dtype, dtype_note = ops.resolve_dtype(dtype, device_type)  # 'auto' -> what this chip runs fast
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 if device_type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
@@ -149,6 +125,7 @@ ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device
 # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 has float32's range
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 torch.manual_seed(seed + rank)  # dropout differs between ranks; DDP broadcasts rank 0's weights
+data_seed = seed + 1000 * (rank + 1)  # this rank's data: training batches, and eval batches after it
 if master_process:
     threads = f", {torch.get_num_threads()} threads" if device_type == 'cpu' else ''
     print(f"device: {device}{threads}, {dtype}{dtype_note}, {world_size} process(es); "
@@ -164,8 +141,7 @@ if master_process:
 # data
 
 data_dir = os.path.join('data', dataset)
-shakespeare = dataset in ('shakespeare_char', 'shakespeare')
-if shakespeare and not os.path.exists(os.path.join(data_dir, 'meta.json')):
+if dataset in ('shakespeare_char', 'shakespeare') and not os.path.exists(os.path.join(data_dir, 'meta.json')):
     if master_process:  # the other ranks wait at the barrier (torchrun ends them if this one fails)
         print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
         import prepare  # downloads tinyshakespeare once; offline, it says what to run instead
@@ -176,10 +152,7 @@ meta = open_data(data_dir, block_size)  # checks the files, the token ids and th
 meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what the tokens mean
 if ckpt is not None:
     checkpoint.check_tokens(ckpt, meta_id, ckpt_path, data_dir)  # a resume keeps its tokens
-if 'vocab_size' not in explicit:
-    model_args['vocab_size'] = meta['vocab_size']
-elif model_args['vocab_size'] < meta['vocab_size']:
-    die(f"vocab_size={model_args['vocab_size']} is smaller than {data_dir}/meta.json's {meta['vocab_size']}")
+model_args['vocab_size'] = configurator.vocab_size(config, explicit, meta, data_dir)
 token_dtype = np.dtype(meta['dtype'])
 
 def get_batch(split, generator):
@@ -197,10 +170,7 @@ def get_batch(split, generator):
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
-if init_from == 'scratch' and os.path.exists(ckpt_path) and not eval_only:
-    # a forgotten --init_from=resume would overwrite a run at its first checkpoint: refuse instead
-    die(f"{ckpt_path} already exists: continue it with --init_from=resume, or start over with another "
-        f"--out_dir (or delete {out_dir})")
+checkpoint.refuse_overwrite(ckpt_path, init_from, eval_only)  # a forgotten --init_from=resume
 
 # -----------------------------------------------------------------------------
 # model, optimizer, and the state a resumed run continues from
@@ -210,24 +180,17 @@ if ckpt is not None:
     checkpoint.load_weights(model, ckpt['model'], ckpt_path)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if master_process:
+    cfg = model.config
+    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M (K={cfg.n_layer} layers looped "
+          f"R={cfg.n_loop} times, N={cfg.n_unrolled} unrolled)")
 iter_num, best_val_loss, bad_total = 0, float('inf'), 0
-skip_eval_at = None  # an iteration not to evaluate again
-train_gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # this rank's training batches
+evaluated_at = None  # the iteration a resumed checkpoint was evaluated and logged at: not again
+train_gen = torch.Generator().manual_seed(data_seed)  # this rank's training batches
 depth_gen = torch.Generator().manual_seed(seed)  # loop counts: the same stream on every rank
 if ckpt is not None:
-    checkpoint.load_optimizer(optimizer, scaler, ckpt, ckpt_path)
-    iter_num, best_val_loss = ckpt['iter_num'], float(ckpt.get('best_val_loss', float('inf')))
-    bad_total = int(ckpt.get('bad_steps', 0))
-    # a checkpoint written at an eval was evaluated and logged there; one written when a signal
-    # stopped the run was not, so this run evaluates that iteration as an uninterrupted run would
-    if ckpt.get('evaluated', True) and not eval_only:
-        skip_eval_at = iter_num
-    # every rank continues its own random streams (dropout, data order) where the checkpoint left them
-    why = checkpoint.load_streams(ckpt, rank, world_size, train_gen, depth_gen)
-    if master_process:
-        if why:
-            print(f"resume: the checkpoint {why}: random streams are reseeded (not bit for bit from here)")
-        print(f"resuming from {ckpt_path} at iter {iter_num}")
+    iter_num, best_val_loss, bad_total, evaluated_at = checkpoint.restore(
+        ckpt, ckpt_path, optimizer, scaler, rank, world_size, train_gen, depth_gen, eval_only)
     del ckpt  # free the memory
 raw_model = model  # the plain GPT: its state_dict has no '_orig_mod.' / 'module.' prefixes
 if compile:
@@ -242,9 +205,15 @@ if compile:
     model = torch.compile(model, dynamic=False)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+
 saved_iter = iter_num if init_from == 'resume' else None  # what out_dir/ckpt.pt holds
 saver = ops.Saver(ckpt_path, max_iters, max_failed_saves, saved_iter)
 bad_steps = ops.BadSteps(raw_model, ctx, max_bad_steps, ckpt_path, bad_total)  # non-finite steps
+if master_process:  # out_dir/metrics.jsonl, and wandb if on
+    wandb_init = dict(project=wandb_project, name=wandb_run_name, config=config) if wandb_log else None
+    metrics = ops.Metrics(out_dir, saved_iter, not eval_only, wandb_init)
+eta = ops.ETA(iter_num, max_iters, eval_interval)  # the time left, for the progress line
+t_start = time.time()  # the metrics' 'time': seconds since training began
 
 @torch.no_grad()
 def estimate_loss():
@@ -254,7 +223,7 @@ def estimate_loss():
     out = {}
     raw_model.eval()
     for i, split in enumerate(('train', 'val')):
-        gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1) + 1 + i)
+        gen = torch.Generator().manual_seed(data_seed + 1 + i)
         stats = torch.zeros(2, raw_model.config.n_loop, device=device)  # CE, ||h_k|| per loop
         for _ in range(eval_iters):
             X, Y = get_batch(split, gen)
@@ -282,15 +251,6 @@ def get_lr(it):
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # coeff ranges 0..1
     return min_lr + coeff * (learning_rate - min_lr)
 
-def mean_kappa():
-    """kappa_R of the loss on one fixed training batch, the mean over the shared matrices (§2)."""
-    X, Y = get_batch('train', torch.Generator().manual_seed(seed + 1))
-    raw_model.eval()
-    with ctx:
-        kappa = visit_alignment(raw_model, X, Y)['mean']
-    raw_model.train()
-    return kappa
-
 def log_eval(it, losses, lr):
     """The eval block on stdout, one row of metrics.jsonl, and wandb if on (rank 0 only)."""
     R = raw_model.config.n_loop
@@ -301,15 +261,17 @@ def log_eval(it, losses, lr):
     print(line('train CE', losses['train_ce'], '.4f'))
     print(line('val CE', losses['val_ce'], '.4f'))
     print(line('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
-    kappa = mean_kappa() if log_kappa else None
-    if kappa is not None:
-        print(f"  kappa_R {kappa:9.3f}   (visit alignment in [0, R = {R}], mean over the shared "
+    row = {'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
+           'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
+           'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
+           'tokens': it * tokens_per_iter, 'bad_steps': bad_steps.total,
+           'time': round(time.time() - t_start, 3)}
+    if log_kappa:  # kappa_R of the loss on one fixed training batch, mean over the shared matrices
+        X, Y = get_batch('train', torch.Generator().manual_seed(seed + 1))
+        row['kappa'] = ops.mean_kappa(raw_model, X, Y, ctx)
+        print(f"  kappa_R {row['kappa']:9.3f}   (visit alignment in [0, R = {R}], mean over the shared "
               f"matrices, one train batch)")
-    metrics.log({'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
-                 'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
-                 'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
-                 'tokens': it * tokens_per_iter, 'bad_steps': bad_steps.total,
-                 'time': round(time.time() - t_start, 3), **({'kappa': kappa} if log_kappa else {})})
+    metrics.log(row)
 
 def checkpoint_state(evaluated=True):
     """What out_dir/ckpt.pt holds, on rank 0 (None elsewhere). Every rank's random streams go
@@ -323,15 +285,10 @@ def checkpoint_state(evaluated=True):
             'meta': meta_id, 'rng': rngs, 'data_rng': data_rngs, 'depth_rng': depth_gen.get_state(),
             'world_size': world_size, 'bad_steps': bad_steps.total, 'evaluated': evaluated}
 
-if master_process:  # out_dir/metrics.jsonl, and wandb if on
-    wandb_init = dict(project=wandb_project, name=wandb_run_name, config=config) if wandb_log else None
-    metrics = ops.Metrics(out_dir, saved_iter, not eval_only, wandb_init)
-
 # -----------------------------------------------------------------------------
 # training loop
 
-eta = ops.ETA(iter_num, max_iters, eval_interval)
-t_start = t0 = time.time()
+t0 = time.time()
 try:  # under DDP, a collective that fails because another rank died ends up in lost_a_rank
     while True:
 
@@ -341,7 +298,7 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
             param_group['lr'] = lr
 
         # evaluate, log and checkpoint (all ranks take part: the eval is averaged over them)
-        if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != skip_eval_at:
+        if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
             bad_steps.check_weights(iter_num)  # broken weights are never saved
             losses = estimate_loss()
             if master_process:
@@ -364,7 +321,7 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
             # under DDP, all-reduce the gradients only on the last micro-step (the others accumulate)
             with model.no_sync() if ddp and micro_step < micro_steps - 1 else nullcontext():
                 with ctx:
-                    _, loss = model(X, Y, n_loop=R)
+                    logits, loss = model(X, Y, n_loop=R)
                     loss = loss / micro_steps
                 scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
@@ -373,15 +330,15 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
 
         # every rank takes the same decisions: a NaN loss or gradient on any rank skips the update
         # everywhere, and a stop signal to any rank stops them all after this step
-        step = ops.agree(loss_sum, grad_norm, stop_signals.name is not None, R)
+        agreed = ops.agree(loss_sum, grad_norm, stop_signals.name is not None, R)
         # under fp16 an inf gradient with a finite loss is the GradScaler's business (it skips the
         # step and lowers the scale), not a bad step
-        ok = math.isfinite(step.loss) and (not step.grad_bad or scaler.is_enabled())
+        ok = math.isfinite(agreed.loss) and (not agreed.grad_bad or scaler.is_enabled())
         if ok:
             scaler.step(optimizer)  # optimizer.step() unless fp16
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        bad_steps.count(ok, iter_num, step.loss, grad_norm, X, Y)  # says why; stops if it repeats
+        bad_steps.count(ok, iter_num, agreed.loss, grad_norm, X, Y)  # says why; stops if it repeats
 
         # timing and logging; the ETA leaves out the run's first step (warm-up, compilation)
         t1 = time.time()
@@ -390,13 +347,13 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         if iter_num % log_interval == 0 and master_process:
             mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
             drawn = f" (R {R})" if raw_model.config.loop_sampling != 'fixed' else ''
-            print(f"iter {iter_num}: loss {step.loss:.4f}{drawn}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
+            print(f"iter {iter_num}: loss {agreed.loss:.4f}{drawn}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                   f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else '')
-                  + f", ETA {duration(eta.left(iter_num))}")
+                  + f", ETA {eta.text(iter_num)}")
         iter_num += 1
-        if step.stop:  # save where the run is and exit 0
-            state = checkpoint_state(evaluated=False)
-            ops.stop_at_signal(saver, state, iter_num, stop_signals.name, globals())
+        if agreed.stop:  # save where the run is and exit 0
+            ops.stop_at_signal(saver, checkpoint_state(evaluated=False), iter_num, stop_signals.name,
+                               shutdown)
 except RuntimeError as e:
     ops.lost_a_rank(e, iter_num, saver, collective_timeout)
 
