@@ -604,3 +604,20 @@ def test_escape_r7_is_the_escape_sweep_at_seven_loops():
     assert [a['name'] for a in r7['arms']] == [a['name'] for a in r3['arms']] and r7['seeds'] == r3['seeds']
     assert {a['overrides']['n_loop'] for a in r7['arms']} == {7}
     assert {a['overrides']['n_loop'] for a in r3['arms']} == {3}  # the R = 3 preset is left as it was
+
+
+def test_report_only_with_no_finished_run_refuses_and_leaves_the_report(tiny_config, tmp_path, monkeypatch,
+                                                                         capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(ablate.PRESETS, 'tinyempty', dict(
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report='blindspot',
+        arms=[ablate.arm('loop_raw', 'config/loop_raw.py')]))
+    (tmp_path / 'rep').mkdir()
+    (tmp_path / 'rep' / 'tinyempty.md').write_text('the committed report\n', encoding='utf-8')
+    write_run('runs/loop_raw-s1', [4.0], status='failed')  # a run that did not finish does not count
+    with pytest.raises(SystemExit):
+        ablate.main(['tinyempty', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
+    err = capsys.readouterr().err
+    assert err.startswith('error: --report_only: no finished run of tinyempty') and err.count('\n') == 1
+    assert (tmp_path / 'rep' / 'tinyempty.md').read_text(encoding='utf-8') == 'the committed report\n'
+    assert not (tmp_path / 'rep' / 'tinyempty.json').exists()
