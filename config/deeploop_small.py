@@ -25,7 +25,8 @@ lr_schedule = 'cosine'
 warmup_iters = 2000
 lr_decay_iters = 100000
 min_lr = 6e-5
-max_iters = 100000
+max_iters = 100000                  # 100K x 480 x 1,024 = ~49B tokens, as the paper's ~50B: about 5 passes
+                                    # over FineWeb-Edu sample-10BT, ~49 over --num_docs=1000000 (~1B)
 beta1 = 0.9
 beta2 = 0.95
 weight_decay = 0.1

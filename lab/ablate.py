@@ -655,6 +655,10 @@ def main(argv=None):
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     jobs = plan(args, preset)
+    if args.report_only and not any(read_status(j['out_dir']).get('train') == 'done' for j in jobs):
+        # an empty report would overwrite the committed one (the runs' folders are not committed)
+        die(f"--report_only: no finished run of {args.preset} under {args.out}/; "
+            f"{os.path.join(args.report_dir, args.preset + '.md')} is left as it is")
     resolve(jobs[:1] if args.report_only else jobs)  # a report needs only the first run's config
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     if args.dry_run:

@@ -352,6 +352,22 @@ def matched_verdict(deltas):
     return 'does not reproduce (not lower at every budget)'
 
 
+def verdict_block(verdicts):
+    """A report's "### Verdicts": one line per claim, `- KEY: VERDICT (N seeds); how`, which
+    tests/test_claims.py binds every verdict of the README and docs to (KEY occurs in the doc's sentence)."""
+    return ["### Verdicts", ""] + [f"- {key}: {verdict} ({n} seed{'s' if n != 1 else ''}); {how}"
+                                   for key, verdict, n, how in verdicts] + [""]
+
+
+def matched_claim(arm_verdicts):
+    # paper 1's claim holds as well as its weakest scale-controlled arm: every arm must reach a lower PPL
+    words = [v.split(' (')[0] for v in arm_verdicts]
+    for word in ('not tested', 'does not reproduce', 'direction only'):
+        if word in words:
+            return word
+    return 'reproduces' if words else 'not tested'
+
+
 def matched_tables(arms):
     cols = ' | '.join(f'≤ {b:g}' for b in MATCHED_BUDGETS)
     lines = ["### Matched inference depth: the lowest val PPL within a budget of average loops", "",
@@ -371,6 +387,7 @@ def matched_tables(arms):
               "the verdict on paper 1's claim (scale-controlled variants reach a lower PPL at matched "
               "depth):", "",
               f"| arm | {cols} | verdict |", "|---|" + "---|" * (len(MATCHED_BUDGETS) + 1)]
+    verdicts = []
     for name, runs in arms.items():
         if name == BASELINE_ARM:
             continue
@@ -380,8 +397,12 @@ def matched_tables(arms):
             dd = [x - y for x, y in pairs if x is not None and y is not None]
             deltas.append(dd)
             cells.append(f"{fmt(mean(dd), '+.3f')} ({sum(x < 0 for x in dd)}/{len(dd)})")
-        lines.append(f"| {name} | " + ' | '.join(cells) + f" | {matched_verdict(deltas)} |")
-    return lines + [""]
+        verdicts.append(matched_verdict(deltas))
+        lines.append(f"| {name} | " + ' | '.join(cells) + f" | {verdicts[-1]} |")
+    seeds = len(by_seed(arms.get(BASELINE_ARM, [])))
+    return lines + [""] + verdict_block([(
+        'scale-controlled variants', matched_claim(verdicts), seeds,
+        f"computed: a lower PPL at matched depth? the weakest of the arms' verdicts against {BASELINE_ARM}")])
 
 
 def matched_report(arms, header, report_dir, prefix):

@@ -576,6 +576,8 @@ def test_matched_table_pairs_each_arm_with_the_rmsnorm_arm_by_seed():
     # budget 1: 19 - 20 and 21 - 20 -> mean 0, lower in 1 of 2 seeds; budget 2: -1.0 and -0.5
     assert '| loop_raw | +0.000 (1/2) | +0.000 (1/2) | -0.750 (2/2) |' in md.replace('-0.000', '+0.000')
     assert 'does not reproduce' in md
+    # the claim's verdict, in the form the docs' verdicts are checked against (tests/test_claims.py)
+    assert '- scale-controlled variants: does not reproduce (2 seeds); computed: ' in md
 
 
 def test_deeploop_comparison_is_paired_by_seed_against_the_baseline():
@@ -604,3 +606,20 @@ def test_escape_r7_is_the_escape_sweep_at_seven_loops():
     assert [a['name'] for a in r7['arms']] == [a['name'] for a in r3['arms']] and r7['seeds'] == r3['seeds']
     assert {a['overrides']['n_loop'] for a in r7['arms']} == {7}
     assert {a['overrides']['n_loop'] for a in r3['arms']} == {3}  # the R = 3 preset is left as it was
+
+
+def test_report_only_with_no_finished_run_refuses_and_leaves_the_report(tiny_config, tmp_path, monkeypatch,
+                                                                         capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(ablate.PRESETS, 'tinyempty', dict(
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report='blindspot',
+        arms=[ablate.arm('loop_raw', 'config/loop_raw.py')]))
+    (tmp_path / 'rep').mkdir()
+    (tmp_path / 'rep' / 'tinyempty.md').write_text('the committed report\n', encoding='utf-8')
+    write_run('runs/loop_raw-s1', [4.0], status='failed')  # a run that did not finish does not count
+    with pytest.raises(SystemExit):
+        ablate.main(['tinyempty', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
+    err = capsys.readouterr().err
+    assert err.startswith('error: --report_only: no finished run of tinyempty') and err.count('\n') == 1
+    assert (tmp_path / 'rep' / 'tinyempty.md').read_text(encoding='utf-8') == 'the committed report\n'
+    assert not (tmp_path / 'rep' / 'tinyempty.json').exists()

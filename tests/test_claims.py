@@ -1,21 +1,39 @@
 """
-Every results number the README and docs state comes from a committed report in assets/, which one
-documented command (`python lab/ablate.py PRESET`, `python lab/decode_eval.py ...`) regenerates.
+Every results number and verdict the README and docs state comes from a committed report in assets/, which
+one documented command (`python lab/ablate.py PRESET`, `python lab/decode_eval.py ...`) regenerates.
 
-The rule, as these tests check it:
-- A results table (a markdown table in README.md or docs/*.md) names its source on the line above it, or
-  above it with one blank line between: `<!-- from assets/NAME.md -->`, several comma-separated
-  (`<!-- from assets/a.md, assets/b.md -->`).
-- Each data row of such a table matches one line of one of those assets: every number in the row, outside
-  its first cell, occurs as the same string among the numbers of that one line (in practice: the report's
-  table row for the same arm). The first cell is the row's label (an arm, "R = 4", "600 steps, lr 1e-3")
-  and is not checked; numbers inside `code` are names, not results, and are not checked either.
-- A number is what a reader reads as one: 2.59, -0.20, +0.090, 5.6e-09, 1,922, 39, x1.10's 1.10. The sign
-  is part of it; the minus sign U+2212 reads as '-', and a thousands comma is dropped (10,000 = 10000).
-  Nothing else is rounded or reformatted: 2.592 and 2.59 are different numbers.
-- Every table in README.md's "## Results at laptop scale" section and in docs/results.md carries such a
-  marker, or `<!-- not from an asset: REASON -->` for a table of what no report here measures (published
-  paper numbers, GPU-hour estimates).
+Markers. An HTML comment names the sources, on one line or several:
+    <!-- from assets/NAME.md[, assets/OTHER.md][, docs/papers.md][; DOC LABEL -> REPORT LABEL]...
+         [; derived: 28.2, 0.40] -->
+docs/papers.md is the source of published numbers. `DOC LABEL -> REPORT LABEL` maps a table row's label
+to the first cell of a report row (`R = 1, plain -> 1 (table 1)`: in the report's first table); ARMS below
+maps the display names every doc uses for an arm (`per-loop + RMSNorm` -> `loop_rmsnorm`). `derived:`
+lists numbers the text computes from the report's (a ratio, a difference) or takes from the run's settings:
+allowed, and visible as such. A table's marker is the comment ending on the line above it (or one blank line
+above); a table of what no report measures carries `<!-- not from an asset: REASON -->`. Every table in
+README.md's "## Results at laptop scale" section and in docs/*.md carries one of the two.
+
+Tables. A row binds to ONE report row: its label (first cell) resolves to a report row's first cell (the
+marker's map, then ARMS, then the label itself, then a report label the label spells out, e.g. in
+`code`), and its other cells, in order, each hold the tokens of one report cell or of a run of adjacent
+ones (a doc may leave columns out, never reorder them). Tokens are the numbers and the verdicts. A row
+whose label names no report row but states a verdict (a summary of claims) is checked as prose.
+
+Prose. A marker also covers the paragraphs and bullets after it, up to the next heading or marker, in
+README's results section and docs/results.md. In that prose:
+- every decimal number (2.59, +0.090, 5.6e-09, x1.10) occurs in one of the sources, as written up to its
+  sign ("0.049 nats behind" for +0.049), or in `derived:`. Exempt, because they are settings and counts,
+  not results: integers (steps, seeds, R, dates, 1,024 tokens), a power with an integer mantissa (lr 3e-4),
+  numbers inside a word (bf16, GPT-2, loop_rmsnorm-2000, 0496aca) and inside `code`.
+- every verdict (*reproduces*, *direction only*, *does not reproduce*, *not tested*) binds to a line of a
+  source's "### Verdicts" block, `- KEY: VERDICT (N seeds)...`, whose KEY occurs in the verdict's sentence
+  and whose N is the verdict's seed count: the first "N seed(s)" after it in its paragraph, else the last
+  before it there, else the last the section stated above it. The paragraph that defines the four words
+  (it names all four) is exempt.
+
+A number is what a reader reads as one: 2.59, -0.20, +0.090, 5.6e-09, 1,922, 39, x1.10's 1.10. The sign is
+part of it; the minus sign U+2212 reads as '-', and a thousands comma is dropped (10,000 = 10000). Nothing
+else is rounded or reformatted: 2.592 and 2.59 are different numbers.
 """
 import re
 from pathlib import Path
@@ -23,21 +41,71 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-FROM = re.compile(r'^<!-- from (assets/[\w.-]+\.md(?:, assets/[\w.-]+\.md)*) -->$')
+SOURCE = r'(?:assets/[\w.-]+\.md|docs/papers\.md)'
+FROM = re.compile(rf'^<!-- from ({SOURCE}(?:, {SOURCE})*)((?:; [^;]+)*) -->$')
 NOT_FROM = re.compile(r'^<!-- not from an asset: \S.* -->$')
 NUMBER = re.compile(r'(?<![\d.])([+\-\u2212]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+\-\u2212]?\d+)?(?!\d)')
+VERDICT = re.compile(r'\b(does not reproduce|direction only|not tested|reproduces)\b', re.I)
+SEEDS = re.compile(r'\b(\d+|one|two|three|four|five|six|seven|eight|nine|ten) seeds?\b', re.I)
+WORDS = dict(one=1, two=2, three=3, four=4, five=5, six=6, seven=7, eight=8, nine=9, ten=10)
+REPORT_VERDICT = re.compile(r'^- (.+?): (reproduces|direction only|does not reproduce|not tested) '
+                            r'\((\d+) seeds?\)')
+README_RESULTS = '## Results at laptop scale'
+# the display names the docs give the reports' arms (a marker's own `LABEL -> ROW` comes first)
+ARMS = {
+    'terminal + RMSNorm': 'terminal_rmsnorm', 'terminal + raw': 'terminal_raw',
+    'terminal + penalty': 'terminal_penalty', 'per-loop + RMSNorm': 'loop_rmsnorm',
+    'per-loop + LayerNorm': 'loop_layernorm', 'per-loop + raw': 'loop_raw',
+    'per-loop + final-only norm': 'loop_final_only', 'per-loop + penalty': 'loop_penalty',
+    'per-loop + inter-loop norm': 'loop_interloop_norm', 'per-loop + RMSNorm, init gpt2': 'loop_rmsnorm_gpt2',
+    'per-loop + raw, init gpt2': 'loop_raw_gpt2', 'per-loop RMSNorm': 'loop_rmsnorm',
+    '+ injection add': 'inject_add', '+ sampled depth, backprop 2': 'random_depth', 'Ouro-like': 'ouro',
+    'RMSNorm': 'loop_rmsnorm', 'raw': 'loop_raw', 'pre-norm baseline': 'preln', 'pre-norm': 'preln',
+    'sandwich, p = 0': 'sandwich_p0', 'sandwich, p = 1/4': 'sandwich_p0.25',
+    'sandwich, p = 1/2': 'sandwich_p0.5', 'sandwich, p = 1/2 (DeepLoop)': 'sandwich_p0.5',
+}
 
 
 def numbers(text):
     """The numbers in text, as written (see the module docstring for what counts as one)."""
+    return [n for n, _, _ in number_spans(text)]
+
+
+def number_spans(text):
     found = []
     for m in NUMBER.finditer(text):
         sign, whole, frac, exp = m.group(1), m.group(2), m.group(3) or '', m.group(4) or ''
         before = text[:m.start()]
         if sign and before and (before[-1].isalnum() or before[-1] in '_)'):
             sign = ''  # a hyphen inside a name (loop_rmsnorm-2000), not a sign
-        found.append((sign + whole.replace(',', '') + frac + exp).replace('\u2212', '-'))
+        n = (sign + whole.replace(',', '') + frac + exp).replace('\u2212', '-')
+        found.append((n, m.start() + (len(m.group(1)) - len(sign)), m.end()))
     return found
+
+
+def tokens(text):
+    """The numbers and verdicts of text, in order; `code` is a name, not a result."""
+    text = re.sub(r'`[^`]*`', '', text)
+    found = [(s, n) for n, s, _ in number_spans(text)]
+    found += [(m.start(), 'verdict: ' + m.group(1).lower()) for m in VERDICT.finditer(text)]
+    return [t for _, t in sorted(found)]
+
+
+def checked(text):
+    """The numbers of prose text that must come from a source: decimals, not settings (module docstring)."""
+    text = re.sub(r'`[^`]*`', '', re.sub(r'\]\([^)]*\)', ']', text))
+    out = []
+    for n, start, end in number_spans(text):
+        left, right = text[start - 1:start], text[end:end + 1]
+        glued = left.isalnum() or left == '_' or right.isalpha() or right == '_'
+        ratio = left == 'x' and not text[start - 2:start - 1].isalnum()  # x0.72
+        if '.' in n and (ratio or not glued):
+            out.append(n)
+    return out
+
+
+def unsigned(n):
+    return n.lstrip('+-')
 
 
 def shown(path):
@@ -47,11 +115,42 @@ def shown(path):
 def doc_files():
     return [REPO / 'README.md'] + sorted((REPO / 'docs').glob('*.md'))
 
+# -----------------------------------------------------------------------------
+# markers and tables
+
+
+def comment_above(lines, i):
+    """The comment block (joined into one line) that ends on line i - 1, or on i - 2 after a blank line."""
+    k = i - 1
+    if k >= 0 and not lines[k].strip():
+        k -= 1
+    if k < 0 or not lines[k].rstrip().endswith('-->'):
+        return None
+    j = k
+    while j > 0 and '<!--' not in lines[j]:
+        j -= 1
+    return ' '.join(line.strip() for line in lines[j:k + 1]) if lines[j].lstrip().startswith('<!--') else None
+
+
+def parse_marker(marker):
+    """(sources, {doc label: (report label, table number or None)}, derived numbers) of a from-marker."""
+    m = FROM.match(marker or '')
+    if not m:
+        return None
+    labels, derived = {}, set()
+    for part in filter(None, m.group(2).split('; ')):
+        if part.startswith(('derived:', 'settings:')):
+            derived |= {unsigned(n) for n in numbers(part.split(':', 1)[1])}
+        else:
+            doc, row = part.split(' -> ', 1)
+            t = re.match(r'^(.*) \(table (\d+)\)$', row)
+            labels[label_of(doc)] = (t.group(1), int(t.group(2))) if t else (row.strip(), None)
+    return m.group(1).split(', '), labels, derived
+
 
 def tables(path):
-    """(first line number, marker line or None, rows as lists of cells, data rows' line numbers) of every
-    markdown table in path. A table is a run of lines starting with '|' whose second line is |---|...;
-    the marker is the line above it, or the one above that when the line above is blank."""
+    """(first line number, marker or None, rows as lists of cells, data rows' line numbers) of every
+    markdown table in path. A table is a run of lines starting with '|' whose second line is |---|..."""
     lines = path.read_text(encoding='utf-8').splitlines()
     found, i = [], 0
     while i < len(lines):
@@ -59,62 +158,230 @@ def tables(path):
             j = i + 2
             while j < len(lines) and lines[j].startswith('|'):
                 j += 1
-            above = [lines[k].strip() for k in (i - 1, i - 2) if k >= 0]
-            marker = above[0] if above and above[0] else (above[1] if len(above) > 1 else None)
-            marker = marker if marker and marker.startswith('<!--') else None
-            rows = [[c.strip() for c in lines[k].strip().strip('|').split('|')] for k in range(i + 2, j)]
-            found.append((i + 1, marker, rows, list(range(i + 3, j + 1))))
+            rows = [cells(lines[k]) for k in range(i + 2, j)]
+            found.append((i + 1, comment_above(lines, i), rows, list(range(i + 3, j + 1))))
             i = j
         else:
             i += 1
     return found
 
 
+def cells(line):
+    return [c.strip() for c in line.strip().strip('|').split('|')]
+
+
+def label_of(cell):
+    return re.sub(r'[*`]', '', cell).strip()
+
+
+def report_rows(sources):
+    """[(report, table number, label, cells after the label)] of every table row of the sources."""
+    out = []
+    for name in sources:
+        if name.startswith('assets/'):
+            for n, (_, _, rows, _) in enumerate(tables(REPO / name), 1):
+                out += [(name, n, label_of(row[0]), row[1:]) for row in rows]
+    return out
+
+
+def source_text(sources):
+    return '\n'.join((REPO / name).read_text(encoding='utf-8') for name in sources)
+
+
+def candidates(label, labels, rows):
+    """The report rows a doc row's label names."""
+    if label in labels:
+        want, table = labels[label]
+        return [r for r in rows if r[2] == want and table in (None, r[1])]
+    for want in (ARMS.get(label), label):
+        if want and any(r[2] == want for r in rows):
+            return [r for r in rows if r[2] == want]
+    spelled = [r for r in rows if re.search(rf'(?<![\w.-]){re.escape(r[2])}(?![\w.-])', label)]
+    longest = max((len(r[2]) for r in spelled), default=0)
+    return [r for r in spelled if len(r[2]) == longest]
+
+
+def cells_follow(doc, rep):
+    """Whether the doc cells (token lists) are, in order, each one report cell's tokens or a run of adjacent
+    report cells' tokens."""
+    doc = [d for d in doc if d]
+
+    def go(i, j):
+        if i == len(doc):
+            return True
+        for a in range(j, len(rep)):
+            run = []
+            for b in range(a, len(rep)):
+                run = run + rep[b]
+                if run == doc[i] and go(i + 1, b + 1):
+                    return True
+                if len(run) > len(doc[i]):
+                    break
+        return False
+    return go(0, 0)
+
+
+def row_problems(path, table, lines):
+    """One message per data row of a marked table that binds to no report row."""
+    start, marker, rows, row_lines = table
+    parsed = parse_marker(marker)
+    if not parsed:
+        return []
+    sources, labels, derived = parsed
+    known = report_rows(sources)
+    out = []
+    for row, lineno in zip(rows, row_lines):
+        label, doc = label_of(row[0]), [tokens(c) for c in row[1:]]
+        if not any(doc):
+            continue
+        rep = candidates(label, labels, known)
+        if not rep and VERDICT.search(lines[lineno - 1]):
+            out += prose_problems(path, lineno, lines[lineno - 1], parsed, None)
+        elif not rep:
+            out.append(f"{shown(path)}:{lineno}: no row of {', '.join(sources)} is labelled '{label}' "
+                       f"(map it in the marker: '{label} -> REPORT LABEL')")
+        elif not any(cells_follow(doc, [tokens(c) for c in r[3]]) for r in rep):
+            best = rep[0]
+            out.append(f"{shown(path)}:{lineno} ('{label}'): its cells are not, in order, the cells of "
+                       f"{best[0]}'s row '{best[2]}': {' | '.join(best[3])[:150]}")
+    return out
+
+# -----------------------------------------------------------------------------
+# prose
+
+
+def report_verdicts(sources):
+    """[(key, verdict, seeds)] of the sources' Verdicts blocks."""
+    out = []
+    for line in source_text(sources).splitlines():
+        m = REPORT_VERDICT.match(line)
+        if m:
+            out.append((flat(m.group(1)), m.group(2), int(m.group(3))))
+    return out
+
+
+def flat(text):
+    return ' '.join(re.sub(r'[*"“”`_]', '', text).lower().split())
+
+
+def seed_count(m):
+    return int(m.group(1)) if m.group(1).isdigit() else WORDS[m.group(1).lower()]
+
+
+def prose_problems(path, lineno, text, parsed, section_seeds):
+    """One message per number or verdict of a paragraph that its sources do not carry."""
+    where = f"{shown(path)}:{lineno}"
+    verdicts = [m for m in VERDICT.finditer(text)]
+    if len({m.group(1).lower() for m in verdicts}) == 4:
+        verdicts = []  # the paragraph that defines the vocabulary
+    wanted = checked(text)
+    if not parsed:
+        what = ', '.join(wanted[:4]) or verdicts[0].group(1) if wanted or verdicts else ''
+        return [f"{where}: states {what} with no <!-- from assets/NAME.md --> marker above it"] \
+            if what else []
+    if parsed == 'not from an asset':
+        return []
+    sources, _, derived = parsed
+    have = {unsigned(n) for n in numbers(source_text(sources))} | derived
+    out = [f"{where}: {n} is in none of {', '.join(sources)}" for n in wanted if unsigned(n) not in have]
+    said = report_verdicts(sources)
+    for m in verdicts:
+        after = SEEDS.search(text, m.end())
+        before = list(SEEDS.finditer(text, 0, m.start()))
+        n = seed_count(after) if after else seed_count(before[-1]) if before else section_seeds
+        sentence = flat(next(s for s in re.split(r'(?<=\.)\s+', text + ' ') if m.group(0) in s))
+        word = m.group(1).lower()
+        if not any(key in sentence and v == word and s == n for key, v, s in said):
+            keys = [f"{key}: {v} ({s})" for key, v, s in said if key in sentence]
+            out.append(f"{where}: '{word}' ({n} seeds) is no verdict of {', '.join(sources)} on this claim"
+                       + (f"; the report says {'; '.join(keys)}" if keys else
+                          "; no report verdict's key occurs in its sentence"))
+    return out
+
+
+def paragraphs(lines, scope):
+    """(first line number, text, marker text in force, a heading line?) of each prose paragraph or bullet in
+    scope (line numbers, 1-based), skipping tables, code, images and comments."""
+    out, marker, i, fence = [], None, 0, False
+    idx = [k - 1 for k in scope]
+    while i < len(idx):
+        line = lines[idx[i]]
+        if line.startswith('```'):
+            fence = not fence
+            i += 1
+            continue
+        if fence or not line.strip() or line.startswith(('|', '![')) or line.startswith('    '):
+            i += 1
+            continue
+        if line.startswith('#'):
+            marker = None
+            out.append((idx[i] + 1, line, None, True))
+            i += 1
+            continue
+        if line.lstrip().startswith('<!--'):
+            j = i
+            while not lines[idx[j]].rstrip().endswith('-->'):
+                j += 1
+            marker = ' '.join(lines[idx[k]].strip() for k in range(i, j + 1))
+            i = j + 1
+            continue
+        j = i + 1
+        while j < len(idx) and lines[idx[j]].strip() and not lines[idx[j]].startswith(
+                ('- ', '* ', '|', '#', '<!--', '![', '```')):
+            j += 1
+        out.append((idx[i] + 1, ' '.join(lines[idx[k]].strip() for k in range(i, j)), marker, False))
+        i = j
+    return out
+
+
+def prose_check(path, scope):
+    lines = path.read_text(encoding='utf-8').splitlines()
+    out, seeds = [], None
+    for lineno, text, marker, heading in paragraphs(lines, scope):
+        if heading:
+            seeds = None
+            continue
+        parsed = 'not from an asset' if NOT_FROM.match(marker or '') else parse_marker(marker)
+        out += prose_problems(path, lineno, text, parsed, seeds)
+        stated = list(SEEDS.finditer(text))
+        seeds = seed_count(stated[-1]) if stated else seeds
+    return out
+
+
 def section(path, heading):
     """The line numbers (1-based) of the section of path that starts at heading, up to the next heading
-    of the same level."""
+    of the same level; all of the file when heading is None."""
     lines = path.read_text(encoding='utf-8').splitlines()
+    if heading is None:
+        return range(1, len(lines) + 1)
     level = heading.split(' ')[0]
     start = lines.index(heading)
-    end = next((k for k in range(start + 1, len(lines))
-                if lines[k].startswith(level + ' ')), len(lines))
+    end = next((k for k in range(start + 1, len(lines)) if lines[k].startswith(level + ' ')), len(lines))
     return range(start + 1, end + 1)
 
 
-def results_tables():
-    """(path, table) for every table that must carry a marker."""
-    readme = REPO / 'README.md'
-    lines = section(readme, '## Results at laptop scale')
-    out = [(readme, t) for t in tables(readme) if t[0] in lines]
-    return out + [(REPO / 'docs' / 'results.md', t) for t in tables(REPO / 'docs' / 'results.md')]
-
-
-def asset_lines(marker):
-    names = FROM.match(marker).group(1).split(', ')
-    return [(name, line, set(numbers(line))) for name in names
-            for line in (REPO / name).read_text(encoding='utf-8').splitlines()]
-
-
-def mismatches(path, table):
-    """One message per data row of a marked table that no single line of its assets carries."""
-    start, marker, rows, row_lines = table
-    where = f"{shown(path)}:{start}"
-    if not marker or not FROM.match(marker):
-        return []
-    sources = asset_lines(marker)
+def problems(path, heading=None, prose=True):
+    """Every claim problem of path (within the section under heading): unmarked tables, table rows that
+    bind to no report row, and, with prose, prose numbers and verdicts no source carries."""
+    scope, lines = section(path, heading), path.read_text(encoding='utf-8').splitlines()
     out = []
-    for row, lineno in zip(rows, row_lines):
-        wanted = [n for cell in row[1:] for n in numbers(re.sub(r'`[^`]*`', '', cell))]
-        if not wanted:
+    for t in tables(path):
+        if t[0] not in scope:
             continue
-        best = max(sources, key=lambda s: sum(n in s[2] for n in wanted))
-        missing = [n for n in wanted if n not in best[2]]
-        if missing:
-            source = FROM.match(marker).group(1)
-            out.append(f"{where} (row at line {lineno}, '{row[0]}'): no line of {source} "
-                       f"carries all of its numbers; missing {', '.join(missing)} on the closest line, "
-                       f"{best[0]}: {best[1].strip()[:120]}")
-    return out
+        if not (t[1] and (FROM.match(t[1]) or NOT_FROM.match(t[1]))):
+            out.append(f"{shown(path)}:{t[0]}: a table with no <!-- from assets/NAME.md --> "
+                       f"(or <!-- not from an asset: REASON -->) marker above it")
+        out += row_problems(path, t, lines)
+    return out + (prose_check(path, scope) if prose else [])
+
+
+def docs_problems(root=REPO):
+    """The checks on docs/*.md: docs/results.md in full, the other files' tables."""
+    return [p for path in sorted((root / 'docs').glob('*.md'))
+            for p in problems(path, prose=path.name == 'results.md')]
+
+# -----------------------------------------------------------------------------
+# the tests
 
 
 def test_numbers_are_read_as_written():
@@ -124,39 +391,78 @@ def test_numbers_are_read_as_written():
     assert numbers('2.592') != numbers('2.59')  # no rounding: a table states the report's digits
 
 
+def test_prose_checks_decimals_but_not_settings_counts_or_names():
+    text = 'x0.72 at 600 steps, lr 3e-4, 3 seeds, bf16, `--lr=0.5`, 5.5e-09 and ‖h_4‖ 496.6 (0496aca)'
+    assert checked(text) == ['0.72', '5.5e-09', '496.6']
+
+
 def test_markers_name_reports_that_exist():
     for path in doc_files():
         for start, marker, _, _ in tables(path):
             if marker and marker.startswith('<!-- from'):
                 assert FROM.match(marker), f"{shown(path)}:{start}: malformed marker {marker}"
-                for name in FROM.match(marker).group(1).split(', '):
+                for name in parse_marker(marker)[0]:
                     assert (REPO / name).is_file(), f"{shown(path)}:{start} cites {name}"
             elif marker and marker.startswith('<!-- not from'):
                 assert NOT_FROM.match(marker), f"{shown(path)}:{start}: give a reason: {marker}"
 
 
-def test_every_marked_table_row_matches_one_line_of_its_report():
-    problems = [m for path in doc_files() for t in tables(path) for m in mismatches(path, t)]
-    assert not problems, '\n'.join(problems)
+def test_docs_tables_rows_numbers_and_verdicts_come_from_their_reports():
+    found = docs_problems()
+    assert not found, '\n'.join(found)
 
 
-def test_every_results_table_names_its_source():
-    unmarked = [f"{shown(path)}:{t[0]}" for path, t in results_tables()
-                if not (t[1] and (FROM.match(t[1]) or NOT_FROM.match(t[1])))]
-    assert not unmarked, "results tables with no <!-- from assets/NAME.md --> (or <!-- not from an asset: "\
-                         "REASON -->) marker above them: " + ', '.join(unmarked)
+@pytest.mark.xfail(reason="README's results section is being rewritten as a summary of verdicts; it must "
+                          "pass these rules when it lands (then drop this mark)", strict=False)
+def test_readme_results_section_comes_from_its_reports():
+    found = problems(REPO / 'README.md', README_RESULTS)
+    assert not found, '\n'.join(found)
 
 
-def test_a_changed_number_is_caught(tmp_path):
-    # the checker on a copy of a real report row: as written it passes; with one digit changed it fails and
-    # names the file, the table's line and the number
-    row = next(line for line in (REPO / 'assets' / 'growing.md').read_text(encoding='utf-8').splitlines()
-               if line.startswith('| loop_rmsnorm | 600 |'))
-    doc = tmp_path / 'doc.md'
-    head = '<!-- from assets/growing.md -->\n\n| arm | step | norms | val CE | train CE |\n'
-    head += '|---' * 5 + '|\n'
-    doc.write_text(head + row + '\n', encoding='utf-8')
-    assert mismatches(doc, tables(doc)[0]) == []
-    doc.write_text(head + row.replace('496.6', '496.7') + '\n', encoding='utf-8')
-    (problem,) = mismatches(doc, tables(doc)[0])
-    assert problem.startswith('doc.md:3 ') and 'missing 496.7 ' in problem, problem
+def test_readme_results_tables_bind_to_their_reports():
+    # tables only (prose: the test above): a summary table of verdicts binds through the Verdicts blocks
+    found = problems(REPO / 'README.md', README_RESULTS, prose=False)
+    assert not found, '\n'.join(found)
+
+
+def planted(tmp_path, name, old, new):
+    """The problems docs/NAME finds once `old` (which must occur once in it) reads `new`."""
+    text = (REPO / 'docs' / name).read_text(encoding='utf-8')
+    assert text.count(old) == 1, f"{name} no longer holds {old!r}: update the planted error"
+    (tmp_path / 'docs').mkdir(exist_ok=True)
+    copy = tmp_path / 'docs' / name
+    copy.write_text(text.replace(old, new), encoding='utf-8')
+    return problems(copy, prose=name == 'results.md')
+
+
+BLINDSPOT_RAW = ('| per-loop + raw | 2.8019 | 15.1 / 16.2 / 16.9 / 17.7 | 28.3 (75) | 22.5 / 17.7 | x0.79 |\n'
+                 '| per-loop + final-only norm | 2.7531 |')
+ERRORS = {  # what a careless edit does, in a copy of the committed text: each must be caught
+    'prose number changed': ('results.md', 'DeepLoop is 0.049 nats behind', 'DeepLoop is 0.047 nats behind'),
+    'verdict word changed': ('results.md', '**"Neutral at R = 1": does not reproduce.**',
+                             '**"Neutral at R = 1": reproduces.**'),
+    'seed count changed': ('results.md', 'one best LR for every R: direction only (2 seeds)',
+                           'one best LR for every R: direction only (3 seeds)'),
+    'two row labels swapped': ('results.md', BLINDSPOT_RAW, BLINDSPOT_RAW.replace('per-loop + raw', 'X')
+                               .replace('per-loop + final-only norm', 'per-loop + raw')
+                               .replace('X', 'per-loop + final-only norm')),
+    'two cells swapped': ('results.md', BLINDSPOT_RAW, BLINDSPOT_RAW.replace(
+        '28.3 (75) | 22.5 / 17.7', '22.5 / 17.7 | 28.3 (75)')),
+    'a number borrowed from another cell of the report line': (
+        'results.md', BLINDSPOT_RAW, BLINDSPOT_RAW.replace('28.3 (75)', '22.5 (75)')),
+    'an unmarked table in docs/decoding.md': ('decoding.md', '<!-- not from an asset: a description of '
+                                              'the policies -->\n', ''),
+}
+
+
+def test_committed_docs_copied_unchanged_pass(tmp_path):
+    for name in ('results.md', 'decoding.md'):
+        copy = tmp_path / name
+        copy.write_text((REPO / 'docs' / name).read_text(encoding='utf-8'), encoding='utf-8')
+        assert problems(copy, prose=name == 'results.md') == []
+
+
+@pytest.mark.parametrize('error', list(ERRORS))
+def test_a_planted_error_is_caught(tmp_path, error):
+    name, old, new = ERRORS[error]
+    assert planted(tmp_path, name, old, new), f"{error}: not caught"

@@ -71,10 +71,11 @@ def test_the_prelude_runs_once_and_the_coda_at_every_exit():
 
 
 def test_huginn_adapter_is_a_plain_linear_layer_and_its_blocks_are_sandwich_normed():
-    # config/huginn.py: Huginn's adapter is not initialised to [I 0], and its blocks norm every sublayer
+    # config/huginn.py: Huginn's adapter is not initialised to [I 0], its blocks norm every sublayer, and its
+    # positions are rotary
     ns = {}
     exec(open(os.path.join(REPO, 'config', 'huginn.py')).read(), ns)
-    assert ns['block'] == 'sandwich' and ns['adapter_init'] == 'default'
+    assert ns['block'] == 'sandwich' and ns['adapter_init'] == 'default' and ns['pos'] == 'rope'
     m = tiny(n_prelude=1, injection='concat', adapter_init='default', block='sandwich')
     W = m.transformer.adapter.weight
     assert W.shape == (16, 32) and not torch.equal(W[:, :16], torch.eye(16))
