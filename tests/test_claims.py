@@ -412,8 +412,6 @@ def test_docs_tables_rows_numbers_and_verdicts_come_from_their_reports():
     assert not found, '\n'.join(found)
 
 
-@pytest.mark.xfail(reason="README's results section is being rewritten as a summary of verdicts; it must "
-                          "pass these rules when it lands (then drop this mark)", strict=False)
 def test_readme_results_section_comes_from_its_reports():
     found = problems(REPO / 'README.md', README_RESULTS)
     assert not found, '\n'.join(found)
