@@ -5,18 +5,13 @@ A looped transformer keeps K distinct layers (`n_layer`) and runs that stack R t
 the unrolled depth is N = K*R, the parameters are those of K layers. Each round ("loop") ends in an
 exit, where the state h_k can be read out into logits: per-loop supervision and early exits.
 
-It implements the papers of docs/papers.md, each with its own group of GPTConfig keys:
-1) The readout blind spot (§1): cross-entropy through a scale-invariant readout cannot see ||h||,
-   so pre-norm recurrence lets the state grow.
-2) DeepLoop (§2): post-norm blocks with alpha = (2N)^p on the skip path and an init gain
-   beta = (8N)^-p; p = 1/4 is DeepNorm, p = 1/2 DeepLoop.
-3) Loop-scaled residuals (§3): h <- h + eps f(h), eps = lambda / (R sqrt K).
-4) The recurrent-depth family (§4, off by default): prelude and coda blocks, input injection, a
-   random loop count per step (Huginn) and a learned exit gate (Ouro).
+GPTConfig groups its keys by the paper each implements (formulas and numbers in docs/papers.md):
+the readout blind spot (§1), DeepLoop's depth-scaled post-norm blocks (§2), loop-scaled residuals
+(§3) and the recurrent-depth family: prelude, coda, injection, sampled depth, exit gate (§4).
 
 Where to look: the loop is GPT.loops, the readout GPT.readout_norm, the loss GPT.loss, the scaling
 rule GPTConfig.alpha and GPTConfig.beta. The speed kernels (attention, the chunked cross-entropy)
-are in kernels.py; decoding (KV cache, early exits) is in engine.py.
+are in kernels.py; decoding (KV cache, early exits) is in engine.py and exits.py.
 """
 
 import inspect
@@ -77,6 +72,16 @@ class GPTConfig:
     @property
     def loop_cap(self):
         return self.max_loop or 4 * self.n_loop  # the most loops a training step may draw
+
+    def draw_n_loop(self, generator):
+        # the loop count of one training step. poisson_lognormal (Huginn, docs/papers.md §4):
+        # tau ~ Normal(log n_loop - sigma^2/2, sigma), R = Poisson(e^tau) + 1, capped. The draws
+        # come from `generator` alone: seeded alike on every rank, every rank draws the same R.
+        if self.loop_sampling == 'fixed':
+            return self.n_loop
+        mu = math.log(self.n_loop) - LOOP_SIGMA ** 2 / 2
+        tau = torch.normal(mu, LOOP_SIGMA, (1,), generator=generator)
+        return min(int(torch.poisson(tau.exp(), generator=generator).item()) + 1, self.loop_cap)
 
     # ---- the depth-scaling rule, in one place (docs/papers.md §2) ----
     @property
@@ -225,12 +230,8 @@ class GPT(nn.Module):
         # docs/papers.md §1); inter_loop_norm='readout' feeds the readout norm back (Ouro, §4)
         ln_out = nn.Identity() if config.readout == 'raw' else make_norm(
             'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C)
-        if config.inter_loop_norm == 'readout':
-            ln_loop = ln_out
-        elif config.inter_loop_norm == 'none':
-            ln_loop = nn.Identity()
-        else:
-            ln_loop = make_norm(config.inter_loop_norm, C)
+        ln_loop = dict(none=nn.Identity(), readout=ln_out).get(config.inter_loop_norm) \
+            or make_norm(config.inter_loop_norm, C)
         blocks = lambda n: nn.ModuleList([Block(config) for _ in range(n)])
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, C),
@@ -356,17 +357,6 @@ class GPT(nn.Module):
         e = self.prelude(idx)
         return self.loops(e, e, range(1, R + 1))
 
-    def draw_n_loop(self, generator):
-        # the loop count of one training step. poisson_lognormal (Huginn, docs/papers.md §4):
-        # tau ~ Normal(log n_loop - sigma^2/2, sigma), R = Poisson(e^tau) + 1, capped. The draws
-        # come from `generator` alone: seeded alike on every rank, every rank draws the same R.
-        cfg = self.config
-        if cfg.loop_sampling == 'fixed':
-            return cfg.n_loop
-        mu = math.log(cfg.n_loop) - LOOP_SIGMA ** 2 / 2
-        tau = torch.normal(mu, LOOP_SIGMA, (1,), generator=generator)
-        return min(int(torch.poisson(tau.exp(), generator=generator).item()) + 1, cfg.loop_cap)
-
     # ---- the readout ----
     def readout_norm(self, h, k, R=None):
         # docs/papers.md §1: an RMSNorm/LayerNorm readout is scale-invariant, so dL/dh is orthogonal
@@ -452,7 +442,7 @@ class GPT(nn.Module):
         norms = torch.stack([h.float().norm(dim=-1).mean() for h in states])
         return ce, norms  # (R,), (R,)
 
-    # ---- optimizer and accounting (as in nanoGPT) ----
+    # ---- the optimizer, as in nanoGPT ----
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]    # matrices and embeddings decay; gains don't
@@ -464,28 +454,33 @@ class GPT(nn.Module):
         extra = dict(fused=True) if fused and device_type in ('cuda', 'cpu') else {}
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 
-    def flops_per_token(self, T=None, n_loop=None):
-        # training flops per token: forward + backward = 6 per weight use (PaLM appendix B)
-        cfg = self.config
-        T = cfg.block_size if T is None else T
-        R = cfg.n_loop if n_loop is None else n_loop
-        n_params = lambda blocks: sum(p.numel() for p in blocks.parameters())
-        n_exits = sum(w > 0 for w in self.exit_weights(R))
-        # the K layers run every loop, the coda and head at every supervised exit, the prelude
-        # once, the injection adapter before every loop after the first
-        adapter = 2 * cfg.n_embd ** 2 * (R - 1) if cfg.injection == 'concat' else 0
-        head = n_params(self.transformer.coda) + cfg.vocab_size * cfg.n_embd
-        weights = n_params(self.transformer.h) * R + n_params(self.transformer.prelude)
-        visits = cfg.n_layer * R + cfg.n_prelude + cfg.n_coda * n_exits
-        attn = 12 * visits * cfg.n_embd * T  # QK^T and AV of every visit
-        return 6 * (weights + adapter + head * n_exits) + attn
+# -----------------------------------------------------------------------------
+# accounting, as in nanoGPT
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak=None, T=None):
-        # model flops utilisation of fwdbwd_per_iter sequences in dt seconds against peak FLOP/s;
-        # by default the bf16 peak of this CUDA device (hardware.peak_flops; None if unknown)
-        T = self.config.block_size if T is None else T
-        if peak is None and torch.cuda.is_available():
-            peak = peak_flops(torch.cuda.get_device_name())
-        if peak is None:
-            return None
-        return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / peak
+
+def flops_per_token(model, T=None, n_loop=None):
+    # training flops per token: forward + backward = 6 per weight use (PaLM appendix B)
+    cfg = model.config
+    T = cfg.block_size if T is None else T
+    R = cfg.n_loop if n_loop is None else n_loop
+    n_params = lambda blocks: sum(p.numel() for p in blocks.parameters())
+    n_exits = sum(w > 0 for w in model.exit_weights(R))
+    # the K layers run every loop, the coda and head at every supervised exit, the prelude
+    # once, the injection adapter before every loop after the first
+    adapter = 2 * cfg.n_embd ** 2 * (R - 1) if cfg.injection == 'concat' else 0
+    head = n_params(model.transformer.coda) + cfg.vocab_size * cfg.n_embd
+    weights = n_params(model.transformer.h) * R + n_params(model.transformer.prelude)
+    visits = cfg.n_layer * R + cfg.n_prelude + cfg.n_coda * n_exits
+    attn = 12 * visits * cfg.n_embd * T  # QK^T and AV of every visit
+    return 6 * (weights + adapter + head * n_exits) + attn
+
+
+def estimate_mfu(model, fwdbwd_per_iter, dt, peak=None, T=None):
+    # model flops utilisation of fwdbwd_per_iter sequences in dt seconds against peak FLOP/s;
+    # by default the bf16 peak of this CUDA device (hardware.peak_flops; None if unknown)
+    T = model.config.block_size if T is None else T
+    if peak is None and torch.cuda.is_available():
+        peak = peak_flops(torch.cuda.get_device_name())
+    if peak is None:
+        return None
+    return flops_per_token(model, T) * T * fwdbwd_per_iter / dt / peak

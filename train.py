@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 import ops
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, estimate_mfu
 from prepare import open_data
 
 # -----------------------------------------------------------------------------
@@ -312,7 +312,7 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
             break
 
         # this step's loop count: n_loop, or a draw when loop_sampling is on (docs/papers.md §4)
-        R = raw_model.draw_n_loop(depth_gen)
+        R = raw_model.config.draw_n_loop(depth_gen)
         # forward and backward over the micro-batches; the loss is divided by their number so that
         # the gradients add up to their mean, and DDP averages over ranks: the global batch's mean
         loss_sum = torch.zeros((), device=device)
@@ -345,7 +345,7 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         dt, t0 = t1 - t0, t1
         eta.step(iter_num, dt)
         if iter_num % log_interval == 0 and master_process:
-            mfu = raw_model.estimate_mfu(micro_steps * batch_size, dt) if device_type == 'cuda' else None
+            mfu = estimate_mfu(raw_model, micro_steps * batch_size, dt) if device_type == 'cuda' else None
             drawn = f" (R {R})" if raw_model.config.loop_sampling != 'fixed' else ''
             print(f"iter {iter_num}: loss {agreed.loss:.4f}{drawn}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                   f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else '')

@@ -60,7 +60,7 @@ import configurator
 from configurator import gpt_config, model_keys
 from errors import Parser, die, duration
 from hardware import auto_dtype
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, flops_per_token
 from prepare import HF_DATASETS, WORD_VOCAB
 from reports import fmt, read_json, read_metrics, read_status, write_report
 
@@ -566,7 +566,7 @@ def estimate(cfg):
     with contextlib.redirect_stdout(io.StringIO()), torch.device('meta'):  # no weights, no parameter count
         model = GPT(gpt_config(model_args))
     tokens = cfg['max_iters'] * cfg['batch_size'] * cfg['gradient_accumulation_steps'] * cfg['block_size']
-    return tokens, model.flops_per_token(cfg['block_size']) * tokens
+    return tokens, flops_per_token(model, cfg['block_size']) * tokens
 
 
 def dry_run(jobs, launcher, args):

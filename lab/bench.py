@@ -67,7 +67,7 @@ from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
 from engine import KV_POLICIES, KVCache, exit_score, generate
 from kernels import LinearCrossEntropy
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, flops_per_token
 
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
 SIZES = {
@@ -561,7 +561,7 @@ def utilisation(flops_per_step, ceiling, run, suffix):
 
 def row_mfu(run):
     looped, (X, _) = looped_of_row_1(run)
-    flops = looped.flops_per_token(X.size(1)) * X.numel()  # forward + backward flops of one step
+    flops = flops_per_token(looped, X.size(1)) * X.numel()  # forward + backward flops of one step
     dtype = 'bfloat16' if run.device.type == 'cuda' else 'float32'  # what row 1's step ran in
     best = ceilings(run)[dtype]
     ceiling = best['flops']
@@ -715,7 +715,7 @@ def row_bf16(run):
 def row_mfu_dtype(run):
     t = default_times(run)
     spec = run.size['default']
-    flops = build(torch.device('cpu'), **spec).flops_per_token(spec['block_size'])
+    flops = flops_per_token(build(torch.device('cpu'), **spec), spec['block_size'])
     flops *= spec['batch_size'] * spec['block_size']  # one step's forward + backward
     best = ceilings(run)
     out = dict(model_flops_per_step=flops, ceilings=best, target='>= 60% in the dtype of auto',

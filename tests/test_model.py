@@ -10,7 +10,7 @@ from configurator import MODEL_CHOICES, check_model
 from engine import THRESHOLD_RANGES, KVCache, decode_step, generate
 from hardware import attention_path, auto_dtype, peak_flops
 from kernels import LinearCrossEntropy, attention
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, estimate_mfu, flops_per_token
 
 V, T = 48, 16
 
@@ -622,15 +622,15 @@ def test_estimate_mfu_counts_every_loop_and_every_supervised_exit(kw, n_exits):
     K, R, C = 2, 3, 16
     layer_params = K * (2 * C + 16 * C * C)
     expected = 6 * (layer_params * R + V * C * n_exits) + 12 * K * R * C * T
-    assert m.flops_per_token(T) == expected
+    assert flops_per_token(m, T) == expected
     # at another loop count (and context length) every loop is counted, and under per-loop supervision
     # with the default uniform weights every exit
     exits_6 = 1 if kw.get('supervision') == 'terminal' else 6
-    assert m.flops_per_token(8, n_loop=6) == 6 * (layer_params * 6 + V * C * exits_6) + 12 * K * 6 * C * 8
-    mfu = m.estimate_mfu(fwdbwd_per_iter=10, dt=0.5, peak=1e9)
+    assert flops_per_token(m, 8, n_loop=6) == 6 * (layer_params * 6 + V * C * exits_6) + 12 * K * 6 * C * 8
+    mfu = estimate_mfu(m, fwdbwd_per_iter=10, dt=0.5, peak=1e9)
     assert math.isclose(mfu, expected * T * 10 / 0.5 / 1e9)
-    assert math.isclose(m.estimate_mfu(fwdbwd_per_iter=4, dt=2.0, peak=1e9, T=8),
-                        m.flops_per_token(8) * 8 * 4 / 2.0 / 1e9)
+    assert math.isclose(estimate_mfu(m, fwdbwd_per_iter=4, dt=2.0, peak=1e9, T=8),
+                        flops_per_token(m, 8) * 8 * 4 / 2.0 / 1e9)
     assert peak_flops('NVIDIA H200') == 989e12 and peak_flops('some cpu') is None
 
 

@@ -24,7 +24,7 @@ import diagnostics
 import eval_depth
 from configurator import check_model
 from engine import ExitScorer, generate, score_threshold
-from model import GPT, GPTConfig, exit_distribution
+from model import GPT, GPTConfig, exit_distribution, flops_per_token
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'golden_metrics.json')
 
@@ -108,13 +108,13 @@ def test_sampled_depth_has_mean_n_loop_plus_one_is_capped_and_depends_only_on_it
     m = tiny(n_loop=4, loop_sampling='poisson_lognormal', max_loop=12)
     def draws(seed, n):
         g = torch.Generator().manual_seed(seed)
-        return [m.draw_n_loop(g) for _ in range(n)]
+        return [m.config.draw_n_loop(g) for _ in range(n)]
     many = draws(0, 4000)
     assert min(many) >= 1 and max(many) <= 12 and len(set(many)) > 5
     # Poisson(e^tau) + 1 with E[e^tau] = n_loop: mean n_loop + 1, a little less after the cap at 12
     assert 4.8 < sum(many) / len(many) < 5.05
     assert draws(7, 50) == draws(7, 50) and draws(7, 50) != draws(8, 50)
-    assert tiny(n_loop=4).draw_n_loop(torch.Generator()) == 4  # loop_sampling='fixed'
+    assert tiny(n_loop=4).config.draw_n_loop(torch.Generator()) == 4  # loop_sampling='fixed'
 
 
 def test_truncated_backprop_zeroes_the_gradient_of_the_early_loops():
@@ -259,11 +259,11 @@ DEPTH_HOOK = textwrap.dedent('''
     import json, os, runpy, sys
     sys.path.insert(0, os.environ['REPO'])
     import model as M
-    draws, draw = [], M.GPT.draw_n_loop
+    draws, draw = [], M.GPTConfig.draw_n_loop
     def rec(self, generator):
         draws.append(draw(self, generator))
         return draws[-1]
-    M.GPT.draw_n_loop = rec
+    M.GPTConfig.draw_n_loop = rec
     sys.argv = ['train.py'] + sys.argv[1:]
     try:
         runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
@@ -363,7 +363,7 @@ def hand_drawn_depths(g, n_loop, cap, n):
 def test_sampled_depth_is_poisson_of_a_lognormal_draw_on_the_same_generator():
     m = tiny(n_loop=4, loop_sampling='poisson_lognormal', max_loop=40)
     g = torch.Generator().manual_seed(5)
-    drawn = [m.draw_n_loop(g) for _ in range(6000)]
+    drawn = [m.config.draw_n_loop(g) for _ in range(6000)]
     assert drawn[:300] == hand_drawn_depths(torch.Generator().manual_seed(5), 4, 40, 300)
     # Var R = E[lambda] + Var[lambda] = n + n^2 (e^{sigma^2} - 1) = 4 + 16 (e^0.25 - 1) = 8.54 (the cap at
     # 40 cuts almost nothing); sigma = 0 would give 4, no Poisson step about 4.5
@@ -371,7 +371,7 @@ def test_sampled_depth_is_poisson_of_a_lognormal_draw_on_the_same_generator():
     assert 7.6 < float(d.var()) < 9.5 and 4.8 < float(d.mean()) < 5.2
     capped = tiny(n_loop=4, loop_sampling='poisson_lognormal', max_loop=6)
     g = torch.Generator().manual_seed(5)
-    assert [capped.draw_n_loop(g) for _ in range(300)] == \
+    assert [capped.config.draw_n_loop(g) for _ in range(300)] == \
         hand_drawn_depths(torch.Generator().manual_seed(5), 4, 6, 300)
 
 
@@ -410,9 +410,9 @@ def test_flops_per_token_and_n_unrolled_count_prelude_coda_and_adapter():
         m = tiny(n_layer=K, n_loop=R, n_prelude=1, n_coda=2, injection='concat', **kw)
         weights = block * K * R + block * 1 + 2 * C * C * (R - 1) + (block * 2 + V * C) * n_exits
         visits = K * R + 1 + 2 * n_exits  # attention of every block visit: shared, prelude, coda per exit
-        assert m.flops_per_token(T) == 6 * weights + 12 * visits * C * T, kw
+        assert flops_per_token(m, T) == 6 * weights + 12 * visits * C * T, kw
     add = tiny(n_layer=K, n_loop=R, n_prelude=1, n_coda=2, injection='add')  # no adapter matrix
-    assert add.flops_per_token(T) == 6 * (block * (K * R + 1) + (2 * block + V * C) * R) + \
+    assert flops_per_token(add, T) == 6 * (block * (K * R + 1) + (2 * block + V * C) * R) + \
         12 * (K * R + 1 + 2 * R) * C * T
     deep = GPTConfig(n_layer=K, n_loop=R, n_prelude=1, n_coda=2, block='sandwich', depth_scaling='deeploop')
     assert deep.alpha == pytest.approx((2 * 9) ** 0.5) and deep.beta == pytest.approx((8 * 9) ** -0.5)
