@@ -434,8 +434,8 @@ def main(argv=None):
         torch.set_num_threads(cpu_threads())
     ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
     if not os.path.isfile(ckpt_path):  # checkpoint.load's hint names train.py's --out_dir, which this lacks
-        die(f"checkpoint {ckpt_path} not found: pass eval_depth the folder holding ckpt.pt, or the checkpoint "
-            f"file, as its first argument (python lab/eval_depth.py OUT_DIR)")
+        die(f"checkpoint {ckpt_path} not found: pass eval_depth the folder holding ckpt.pt, or the file, "
+            f"as its first argument (python lab/eval_depth.py OUT_DIR)")
     ckpt = checkpoint.load(ckpt_path)
     model = checkpoint.build_model(ckpt).to(device)
     cfg = model.config
