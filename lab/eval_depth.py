@@ -49,7 +49,7 @@ import checkpoint
 from diagnostics import clamped_states, radial_gradient, visit_alignment
 from engine import EXIT_POLICIES, ExitScorer, exit_score
 from errors import Parser, die
-from prepare import load_meta
+from prepare import load_meta, missing_file
 
 TIMED_POLICIES = ('maxprob', 'margin', 'entropy')  # depth_pass drops exited rows: stateless scores only
 
@@ -200,7 +200,7 @@ def val_windows(data_dir, meta, T, n_seqs):
     """n_seqs windows of T+1 tokens spread evenly over the validation split: (X, Y) long (n, T)."""
     path = os.path.join(data_dir, 'val.bin')
     if not os.path.isfile(path):
-        die(f"{path} not found: prepare the data first (python prepare.py {os.path.basename(data_dir)})")
+        missing_file(path, data_dir)
     data = np.memmap(path, dtype=np.dtype(meta['dtype']), mode='r')
     span = len(data) - (T + 1)
     if span < 0:
