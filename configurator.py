@@ -182,7 +182,7 @@ def parse_value(text):
 def read_config_file(path, config):
     """The assignments of one config file, executed with the current config as its namespace."""
     if not os.path.isfile(path):
-        # a typo of a file that is there (config/loop_rmsnom.py): name the nearest .py file of that folder
+        # a typo of a file that is there (loop_rmsnom for loop_rmsnorm): name the nearest .py file in it
         folder = os.path.dirname(path)
         here = folder or '.'
         files = sorted(f for f in os.listdir(here) if f.endswith('.py')) if os.path.isdir(here) else []
