@@ -182,7 +182,13 @@ def parse_value(text):
 def read_config_file(path, config):
     """The assignments of one config file, executed with the current config as its namespace."""
     if not os.path.isfile(path):
-        die(f"config file {path!r} not found (arguments are config files or --key=value)")
+        # a typo of a file that is there (loop_rmsnom for loop_rmsnorm): name the nearest .py file in it
+        folder = os.path.dirname(path)
+        here = folder or '.'
+        files = sorted(f for f in os.listdir(here) if f.endswith('.py')) if os.path.isdir(here) else []
+        near = difflib.get_close_matches(os.path.basename(path), files, n=1)
+        hint = f"; did you mean {os.path.join(folder, near[0])}?" if near else ''
+        die(f"config file {path!r} not found (arguments are config files or --key=value){hint}")
     ns = Recorder(config)
     try:
         with open(path, encoding='utf-8') as f:

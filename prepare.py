@@ -15,6 +15,7 @@ itos (id -> character for char, id -> token for word). `get_tokenizer(meta)` tur
 encode/decode; train.py calls `prepare(...)` when data/shakespeare_char is missing.
 """
 import collections
+import difflib
 import itertools
 import json
 import os
@@ -288,14 +289,29 @@ def prepare_text(dataset, text, tokenizer, out_dir, val_fraction):
 # reading what this file wrote: train.py, sample.py and eval_depth.py check the data here, once
 
 def prepare_command(data_dir):
+    """The command that writes data_dir: a known dataset's own, else one for your text (--input)."""
     root, dataset = os.path.split(os.path.normpath(data_dir))
-    return f"python prepare.py {dataset}" + ('' if root == 'data' else f" --out_dir {root or '.'}")
+    where = '' if root == 'data' else f" --out_dir {root or '.'}"
+    if dataset in (*TEXT_DATASETS, *HF_DATASETS):
+        return f"python prepare.py {dataset}{where}"
+    return f"python prepare.py {dataset} --input=PATH{where}"  # any other name is a folder for your text
+
+def missing_file(path, data_dir):
+    """Die: path, a file of data_dir, is not there. A name near a known dataset's is taken for a typo of it
+    (shakespeare_chr): the message names that dataset and its command first."""
+    root, dataset = os.path.split(os.path.normpath(data_dir))
+    near = difflib.get_close_matches(dataset, [*TEXT_DATASETS, *HF_DATASETS], n=1)
+    if near and near[0] != dataset:
+        die(f"{path} not found: {dataset!r} is not a dataset prepare.py knows; did you mean {near[0]}? "
+            f"(prepare it with `{prepare_command(os.path.join(root, near[0]))}`; for your own text: "
+            f"`{prepare_command(data_dir)}`)")
+    die(f"{path} not found: prepare the data first with `{prepare_command(data_dir)}`")
 
 def load_meta(data_dir):
     """data_dir/meta.json as a dict, checked; a missing or broken file dies with the prepare command."""
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
-        die(f"{path} not found: prepare the data first with `{prepare_command(data_dir)}`")
+        missing_file(path, data_dir)
     try:
         with open(path, encoding='utf-8') as f:
             meta = json.load(f)
@@ -313,7 +329,7 @@ def check_split(data_dir, split, meta):
     path = os.path.join(data_dir, f'{split}.bin')
     dtype = np.dtype(meta['dtype'])
     if not os.path.isfile(path):
-        die(f"{path} not found: prepare the data first with `{prepare_command(data_dir)}`")
+        missing_file(path, data_dir)
     size = os.path.getsize(path)
     if size % dtype.itemsize:
         die(f"{path}: {size} bytes is not a whole number of {meta['dtype']} tokens (truncated?); "

@@ -61,7 +61,7 @@ from configurator import gpt_config, model_keys
 from errors import Parser, die, duration
 from hardware import auto_dtype
 from model import GPT, GPTConfig, flops_per_token
-from prepare import HF_DATASETS, WORD_VOCAB
+from prepare import HF_DATASETS, TEXT_DATASETS, WORD_VOCAB
 from reports import fmt, read_json, read_metrics, read_status, write_report
 
 LAB = os.path.dirname(os.path.abspath(__file__))  # this folder: eval_depth.py
@@ -549,13 +549,21 @@ def resolved_dtype(cfg):
 # -----------------------------------------------------------------------------
 # compute estimates
 
+SHAKESPEARE_CHARS = 65  # tinyshakespeare's distinct characters: shakespeare_char's vocabulary (prepare.py)
+# the training FLOP/s of one laptop run on one CPU core, evaluations and start-up included: the median of the
+# 269 runs in assets/*.json, model.flops_per_token x tokens / train_seconds (quartiles 27 and 40, presets'
+# medians 25-85; bf16 on AVX512-BF16 EPYC cores shared by 2 runs). Another CPU: --cpu_gflops
+CPU_GFLOPS = 34
+
+
 def run_vocab_size(cfg):
     """The vocabulary train.py will use: --print_config shows GPTConfig's default where no config set
     vocab_size, and then train.py takes data/<dataset>/meta.json's (if the data is not prepared here: the
     word tokenizer's 20,000 for a dataset prepare.py writes with it, else GPT-2's BPE padded to 50304)."""
     if cfg['vocab_size'] != GPTConfig.vocab_size:
         return cfg['vocab_size']
-    unprepared = WORD_VOCAB if HF_DATASETS.get(cfg['dataset']) == 'word' else 50304
+    unprepared = WORD_VOCAB if HF_DATASETS.get(cfg['dataset']) == 'word' else \
+        SHAKESPEARE_CHARS if TEXT_DATASETS.get(cfg['dataset']) == 'char' else 50304
     return read_json(os.path.join('data', cfg['dataset'], 'meta.json'), {}).get('vocab_size', unprepared)
 
 
@@ -570,17 +578,34 @@ def estimate(cfg):
 
 
 def dry_run(jobs, launcher, args):
-    """Print every run's train.py command and its estimated tokens, FLOPs and GPU-hours."""
+    """Print every run's train.py command and its estimated tokens, FLOPs and compute time: for a CPU run
+    (the laptop presets) core-minutes at --cpu_gflops, else GPU-hours at --mfu of --peak_tflops."""
+    if not args.cpu_gflops > 0:
+        die(f"--cpu_gflops={args.cpu_gflops:g}: must be > 0")
     shown = ['python' if c == sys.executable else c for c in launcher]
-    total = 0.0
+    cpu, gpu = [], []  # hours per run
     for j in jobs:
         tokens, flops = estimate(j['cfg'])
-        hours = flops / (args.peak_tflops * 1e12 * args.mfu) / 3600
-        total += hours
-        print(f"{j['name']}: {tokens / 1e9:.2f}B tokens, {flops / 1e18:.2f} EFLOP, ~{hours:.2f} GPU-h")
+        if j['cfg']['device'] == 'cpu':
+            cpu.append(flops / (args.cpu_gflops * 1e9) / 3600)
+            size = (f"{tokens / 1e6:.2f}M tokens, {flops / 1e12:.1f} TFLOP, ~{duration(3600 * cpu[-1])} on "
+                    f"a CPU core")
+        else:
+            gpu.append(flops / (args.peak_tflops * 1e12 * args.mfu) / 3600)
+            size = f"{tokens / 1e9:.2f}B tokens, {flops / 1e18:.2f} EFLOP, ~{gpu[-1]:.2f} GPU-h"
+        print(f"{j['name']}: {size}")
         print('  ' + shlex.join(shown + ['train.py'] + j['args']))
-    print(f"total: {len(jobs)} runs, ~{total:.1f} GPU-hours of training at {args.mfu:.0%} MFU of "
-          f"{args.peak_tflops:g} TFLOP/s (evaluation not counted)")
+    if cpu:
+        workers = min(args.workers or default_workers(args), len(cpu))
+        rate = ("the median of the laptop runs in assets/*.json (FLOPs / train time; half of them 27-40 "
+                "with the machine's load; --cpu_gflops to change)" if args.cpu_gflops == CPU_GFLOPS
+                else "--cpu_gflops")
+        print(f"total: {len(cpu)} CPU runs, ~{duration(3600 * sum(cpu))} of CPU-core time training, "
+              f"~{duration(3600 * sum(cpu) / workers)} at {workers} run(s) at a time (train.py's evaluations "
+              f"counted, eval_depth.py not), assuming {args.cpu_gflops:g} GFLOP/s per core: {rate}")
+    if gpu or not cpu:
+        print(f"total: {len(gpu)} runs, ~{sum(gpu):.1f} GPU-hours of training at {args.mfu:.0%} MFU of "
+              f"{args.peak_tflops:g} TFLOP/s (evaluation not counted)")
 
 
 # -----------------------------------------------------------------------------
@@ -618,6 +643,8 @@ def parser():
                     help='print the commands and the estimated compute, run nothing')
     ap.add_argument('--mfu', type=float, default=0.4, help='assumed model flops utilisation for --dry_run')
     ap.add_argument('--peak_tflops', type=float, default=989.0, help='--dry_run: GPU bf16 peak (H100: 989)')
+    ap.add_argument('--cpu_gflops', type=float, default=CPU_GFLOPS,
+                    help='--dry_run: training FLOP/s of one CPU run per core, in GFLOP/s (measured: assets/)')
     return ap
 
 

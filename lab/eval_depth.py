@@ -15,7 +15,8 @@ On n_seqs validation windows of the training context length it reports, on stdou
   adaptive exit    sequence granularity: a sequence stops at the first exit k < R whose score (its tokens'
                    mean max-prob, top1-top2 logit margin, 1 - H/log V, -KL to the previous exit, or the
                    learned gate's cumulative exit probability) reaches a threshold, else at R;
-                   thresholds at quantiles of the scores; the curve average loops vs PPL
+                   thresholds at quantiles of the scores; the curve average loops vs PPL. Every threshold
+                   printed or written is sample.py's --exit_threshold (for kl the KL bound, not -KL)
   calibrated       the threshold with the fewest average loops whose PPL <= 1.01 x the fixed-R PPL on a
   halting          calibration half (even-numbered windows), then tested on the other half, with real
                    dynamic-depth batching (exited sequences leave the batch) timed against fixed R
@@ -28,6 +29,9 @@ On n_seqs validation windows of the training context length it reports, on stdou
 The last three are diagnostics.py's, which train.py imports too.
 How long: on train.py's default model (K 2, R 4, d 128, 64 tokens) the default 512 windows took 2-8 minutes
 on busy 2-core CPUs, most of it in the 4R fixed-depth exits and the timed passes; the quick look: seconds.
+On a CPU it runs OMP_NUM_THREADS threads if set, else one per core it may use: on a shared machine set it
+(a 2-core run took 69 s with 2 threads, 12 s with OMP_NUM_THREADS=1). The timed speedup is a wall-clock
+ratio: it moved from x6.90 to x2.98 with the thread count, so compare it only at the same threads and load.
 """
 import argparse
 import json
@@ -45,7 +49,7 @@ import checkpoint
 from diagnostics import clamped_states, radial_gradient, visit_alignment
 from engine import EXIT_POLICIES, ExitScorer, exit_score
 from errors import Parser, die
-from prepare import load_meta
+from prepare import load_meta, missing_file
 
 TIMED_POLICIES = ('maxprob', 'margin', 'entropy')  # depth_pass drops exited rows: stateless scores only
 
@@ -196,7 +200,7 @@ def val_windows(data_dir, meta, T, n_seqs):
     """n_seqs windows of T+1 tokens spread evenly over the validation split: (X, Y) long (n, T)."""
     path = os.path.join(data_dir, 'val.bin')
     if not os.path.isfile(path):
-        die(f"{path} not found: prepare the data first (python prepare.py {os.path.basename(data_dir)})")
+        missing_file(path, data_dir)
     data = np.memmap(path, dtype=np.dtype(meta['dtype']), mode='r')
     span = len(data) - (T + 1)
     if span < 0:
@@ -218,15 +222,22 @@ def adaptive_curves(ce, scores, quantiles):
     return out
 
 
+def flag_threshold(policy, score):
+    """The --exit_threshold (sample.py, with --exit_policy=policy) that engine.score_threshold turns into
+    this score: for kl the KL bound, -score (its scores are -KL); the score itself for the others."""
+    return -score if policy == 'kl' else score
+
+
 def calibrated_halting(ce, scores, tol, policy):
-    """Every policy's threshold calibrated on the even windows, tested on the odd ones."""
+    """Every policy's threshold calibrated on the even windows, tested on the odd ones. threshold: what
+    --exit_threshold takes (flag_threshold), +-inf (JSON null) for 'never exit early'."""
     cal, held = torch.arange(0, ce.size(0), 2), torch.arange(1, ce.size(0), 2)
     out = dict(tol=tol, policy=policy, fixed_ppl_cal=ppl(ce[cal, -1]), fixed_ppl_held=ppl(ce[held, -1]))
     for p in scores:
         t, loops, pc = calibrate(ce[cal], scores[p][cal], tol)
         lh, ph = adaptive(ce[held], scores[p][held], t)
-        out[p] = dict(threshold=t, cal_avg_loops=loops, cal_ppl=pc, held_avg_loops=lh, held_ppl=ph,
-                      held_ppl_ratio=ph / out['fixed_ppl_held'])
+        out[p] = dict(threshold=flag_threshold(p, t), cal_avg_loops=loops, cal_ppl=pc, held_avg_loops=lh,
+                      held_ppl=ph, held_ppl_ratio=ph / out['fixed_ppl_held'])
     return out
 
 
@@ -283,13 +294,16 @@ def evaluate(model, X, Y, batch_size=16, tol=1.01, policy='margin', n_grad_seqs=
     res['dppl_1_to_R'] = res['fixed']['ppl'][R - 1] - res['fixed']['ppl'][0]
     ce, scores = ce[:, :R], {p: s[:, :R] for p, s in scores.items()}  # adaptive exit works within 1..R
     with bar('adaptive curves', 1, 'step') as b:
-        res['adaptive'] = adaptive_curves(ce, scores, quantiles) if R > 1 else {}
+        curves = adaptive_curves(ce, scores, quantiles) if R > 1 else {}
+        # thresholds as --exit_threshold takes them, like the calibrated ones (kl: the KL bound)
+        res['adaptive'] = {p: dict(c, threshold=[flag_threshold(p, t) for t in c['threshold']])
+                           for p, c in curves.items()}
         b.update()
     with bar('calibrated halting', 1, 'step') as b:
         res['calibrated'] = calibrated_halting(ce, scores, tol, policy)
         b.update()
     held = torch.arange(1, X.size(0), 2)
-    threshold = res['calibrated'][policy]['threshold']
+    threshold = res['calibrated'][policy]['threshold']  # a timed policy's flag value is its score
     with bar('timed passes, fixed and dynamic depth', 2 * (1 + timing_repeats), 'pass') as b:
         res['throughput'] = throughput(model, X[held], Y[held], batch_size, threshold, policy, timing_repeats,
                                        b)
@@ -346,6 +360,8 @@ def print_report(res, title):
     print(f"calibrated halting: fewest avg loops with PPL <= {cal['tol']} x fixed-{R} on the even windows, "
           f"tested on "
           f"the odd ones (fixed-{R} PPL {cal['fixed_ppl_cal']:.3f} / {cal['fixed_ppl_held']:.3f})")
+    print("  threshold: sample.py's --exit_threshold for --exit_policy=<policy> (kl: the KL bound, exit when "
+          "KL <= it; never: no exit before R)")
     print(f"  {'policy':<10}{'threshold':>12}{'cal loops':>11}{'cal PPL':>10}{'held loops':>12}"
           f"{'held PPL':>10}"
           f"{'x fixed':>9}")
@@ -353,14 +369,17 @@ def print_report(res, title):
         if p not in cal:
             continue
         c = cal[p]
-        print(f"  {p:<10}{c['threshold']:>12.4g}{c['cal_avg_loops']:>11.2f}{c['cal_ppl']:>10.3f}"
+        t = format(c['threshold'], '.4g') if math.isfinite(c['threshold']) else 'never'
+        print(f"  {p:<10}{t:>12}{c['cal_avg_loops']:>11.2f}{c['cal_ppl']:>10.3f}"
               f"{c['held_avg_loops']:>12.2f}{c['held_ppl']:>10.3f}{c['held_ppl_ratio']:>9.4f}")
     tp = res['throughput']
-    where = f"{tp['device']}" + (f", {tp['threads']} threads" if tp['threads'] else '')
-    print(f"dynamic-depth batching ({tp['policy']}, batch {tp['batch_size']}, {where}): "
+    # a wall-clock ratio, not a property of the model: it moved from x6.90 to x2.98 with the thread count
+    depends = (f"{tp['threads']} threads; timing depends on the thread count and the machine's load"
+               if tp['threads'] else f"{tp['device']}; timing depends on the device and its load")
+    print(f"dynamic-depth batching ({tp['policy']}, batch {tp['batch_size']}, {tp['device']}): "
           f"{tp['dynamic']['tok_per_s']:,.0f} tok/s at {tp['dynamic']['avg_loops']:.2f} avg loops "
           f"(PPL {tp['dynamic']['ppl']:.3f}) vs fixed-{R} {tp['fixed']['tok_per_s']:,.0f} tok/s "
-          f"(PPL {tp['fixed']['ppl']:.3f}): x{tp['speedup']:.2f}")
+          f"(PPL {tp['fixed']['ppl']:.3f}): x{tp['speedup']:.2f} ({depends})")
 
 
 def json_safe(obj):
@@ -371,6 +390,18 @@ def json_safe(obj):
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def cpu_threads():
+    """torch's threads on a CPU: OMP_NUM_THREADS where the user set it (on a shared machine more threads
+    than free cores made a run 6x slower), else the cores this process may use (ablate.py pins them)."""
+    value = os.environ.get('OMP_NUM_THREADS')
+    if value is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    first = value.split(',')[0].strip()  # OpenMP's nested form "4,2": the outer level is ours
+    if not first.isdigit() or int(first) < 1:
+        die(f"OMP_NUM_THREADS={value}: must be a positive integer (the CPU threads to use)")
+    return int(first)
 
 
 def main(argv=None):
@@ -399,9 +430,12 @@ def main(argv=None):
     if not args.tol >= 1.0:
         die(f"--tol={args.tol}: must be >= 1")
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
-    if device == 'cpu' and hasattr(os, 'sched_getaffinity'):
-        torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores it may use (ablate.py pins them)
+    if device == 'cpu':
+        torch.set_num_threads(cpu_threads())
     ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
+    if not os.path.isfile(ckpt_path):  # checkpoint.load's hint names train.py's --out_dir, which this lacks
+        die(f"checkpoint {ckpt_path} not found: pass eval_depth the folder holding ckpt.pt, or the file, "
+            f"as its first argument (python lab/eval_depth.py OUT_DIR)")
     ckpt = checkpoint.load(ckpt_path)
     model = checkpoint.build_model(ckpt).to(device)
     cfg = model.config

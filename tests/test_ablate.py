@@ -236,6 +236,27 @@ def test_paper_scale_dry_run_composes_the_base_config(repo_dir, monkeypatch, cap
     assert 'GPU-hours' in out
 
 
+def test_laptop_dry_run_estimates_cpu_core_time_at_the_stated_rate_not_gpu_hours(tmp_path, monkeypatch,
+                                                                                  capsys):
+    # a laptop preset trains on the CPU: GPU-hours (0.00 on every line) say nothing about its cost
+    monkeypatch.chdir(tmp_path)  # no data/ here: the estimate must not need it
+    args = ablate.parse_args(['blindspot', '--only=loop_raw', '--dry_run'])
+    jobs = ablate.plan(args, ablate.PRESETS['blindspot'])
+    ablate.resolve(jobs)
+    _, flops = ablate.estimate(jobs[0]['cfg'])
+    ablate.main(['blindspot', '--only=loop_raw', '--dry_run', f'--cpu_gflops={flops / 1e9 / 600!r}'])
+    out = capsys.readouterr().out
+    assert 'GPU' not in out
+    assert 'loop_raw-s1337: 0.61M tokens' in out and '~10m00s on a CPU core' in out  # FLOPs / the rate
+    assert 'total: 1 CPU runs, ~10m00s of CPU-core time' in out and 'GFLOP/s per core: --cpu_gflops' in out
+    ablate.main(['blindspot', '--only=loop_raw', '--dry_run'])  # the default rate says where it comes from
+    out = capsys.readouterr().out
+    assert f'{ablate.CPU_GFLOPS:g} GFLOP/s per core: the median of the laptop runs in assets/*.json' in out
+    with pytest.raises(SystemExit):
+        ablate.main(['blindspot', '--only=loop_raw', '--dry_run', '--cpu_gflops=0'])
+    assert capsys.readouterr().err.startswith('error: --cpu_gflops=0: must be > 0')
+
+
 def test_dry_run_vocabulary_before_the_data_is_prepared(tmp_path, monkeypatch):
     # no data/<dataset>/meta.json here: the word tokenizer's 20,000 for wikitext103_word (the paper presets'),
     # GPT-2's padded 50304 for a BPE dataset; a prepared meta.json, or a config's vocab_size, wins
@@ -243,6 +264,7 @@ def test_dry_run_vocabulary_before_the_data_is_prepared(tmp_path, monkeypatch):
     default = ablate.GPTConfig.vocab_size
     assert ablate.run_vocab_size(dict(vocab_size=default, dataset='wikitext103_word')) == 20_000
     assert ablate.run_vocab_size(dict(vocab_size=default, dataset='wikitext103')) == 50304
+    assert ablate.run_vocab_size(dict(vocab_size=default, dataset='shakespeare_char')) == 65  # the laptop's
     assert ablate.run_vocab_size(dict(vocab_size=512, dataset='wikitext103_word')) == 512
     (tmp_path / 'data' / 'wikitext103_word').mkdir(parents=True)
     (tmp_path / 'data' / 'wikitext103_word' / 'meta.json').write_text(json.dumps(dict(vocab_size=1234)))

@@ -253,3 +253,76 @@ def test_dynamic_batching_with_a_prelude_slices_the_injected_output_with_the_row
     assert together[0] == pytest.approx(sum(a[0] for a in alone), rel=1e-5)
     loops, p = ed.adaptive(ce, scores['margin'], t)
     assert together[1] / 8 == pytest.approx(loops) and math.exp(together[0] / 8) == pytest.approx(p, rel=1e-4)
+
+
+# ------------------------------------------------------------ what the CLI prints is what a user can act on
+
+@pytest.fixture
+def threads_restored():
+    # eval_depth.main sets torch's threads, a process-wide setting
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def quick_cli(ckpt, data, *extra):
+    return ed.main([str(ckpt), '--data_dir', str(data), '--n_seqs=12', '--batch_size=4', '--timing_repeats=1',
+                    '--n_grad_seqs=4', '--exits=2', '--no-progress', *extra])
+
+
+@pytest.mark.parametrize('omp, threads', [('1', 1), (None, 8)])
+def test_cli_runs_omp_num_threads_threads_else_one_per_core_and_says_the_speedup_depends_on_them(
+        tiny_ckpt, tiny_data, capsys, monkeypatch, threads_restored, omp, threads):
+    # on a shared 2-core machine one thread per core took 69 s where OMP_NUM_THREADS=1 took 12 s
+    monkeypatch.setattr(ed.os, 'sched_getaffinity', lambda pid: set(range(8)), raising=False)
+    if omp is None:
+        monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    else:
+        monkeypatch.setenv('OMP_NUM_THREADS', omp)
+    quick_cli(tiny_ckpt, tiny_data)
+    assert torch.get_num_threads() == threads
+    res = json.loads((tiny_ckpt / 'eval_depth.json').read_text())
+    assert res['throughput']['threads'] == threads
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith('dynamic-depth batching'))
+    assert line.endswith(f"({threads} threads; timing depends on the thread count and the machine's load)")
+
+
+def test_cli_rejects_an_omp_num_threads_that_is_not_a_count(tiny_ckpt, capsys, monkeypatch, threads_restored):
+    monkeypatch.setenv('OMP_NUM_THREADS', 'four')
+    with pytest.raises(SystemExit) as e:
+        ed.main([str(tiny_ckpt), '--device=cpu'])
+    assert e.value.code == 1 and 'OMP_NUM_THREADS=four: must be a positive integer' in capsys.readouterr().err
+
+
+def test_missing_checkpoint_error_names_the_positional_out_dir_eval_depth_takes(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        ed.main([str(tmp_path / 'out-nowhere'), '--device=cpu'])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and len(err.strip().splitlines()) == 1
+    assert 'out-nowhere' in err and 'python lab/eval_depth.py OUT_DIR' in err
+    assert '--out_dir' not in err  # train.py's and sample.py's flag: eval_depth has none
+
+
+def test_calibrated_kl_threshold_is_the_positive_kl_bound_sample_py_takes(capsys):
+    # the kl score is -KL; sample.py --exit_policy=kl --exit_threshold=X exits when KL <= X
+    # (engine.score_threshold: score -X), so the table and the JSON give X, not the score
+    from engine import score_threshold
+    model = tiny(n_loop=3)
+    X, Y = batch(B=16)
+    # a loose tolerance, so that an untrained model's early exits are worth calibrating
+    res = ed.evaluate(model, X, Y, batch_size=8, tol=10.0, timing_repeats=1, n_grad_seqs=4, exits=3)
+    ce, scores, _ = ed.exit_stats(model, X, Y, 3, batch_size=8)
+    kl = res['calibrated']['kl']
+    cal, held = torch.arange(0, 16, 2), torch.arange(1, 16, 2)
+    score, loops, _ = ed.calibrate(ce[cal], scores['kl'][cal], tol=10.0)
+    assert math.isfinite(score) and loops < 3  # an early kl exit was calibrated: its sign matters
+    assert kl['threshold'] > 0 and score_threshold('kl', kl['threshold']) == score
+    assert ed.adaptive(ce[held], scores['kl'][held], score_threshold('kl', kl['threshold']))[0] == \
+        kl['held_avg_loops']
+    assert all(t >= 0 for t in res['adaptive']['kl']['threshold'])  # every KL bound of the curve
+    for p in ('maxprob', 'margin', 'entropy'):  # the other scores are their own flags
+        assert score_threshold(p, res['calibrated'][p]['threshold']) == res['calibrated'][p]['threshold'] \
+            or not math.isfinite(res['calibrated'][p]['threshold'])
+    ed.print_report(res, 'tiny')
+    row = next(s.split() for s in capsys.readouterr().out.splitlines() if s.split()[:1] == ['kl'])
+    assert float(row[1]) == pytest.approx(kl['threshold'], rel=1e-3)

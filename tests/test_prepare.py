@@ -410,3 +410,39 @@ def test_cli_error_has_no_traceback(repo_dir, tmp_path):
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr
 
 
+
+
+# ---- missing data: the error's command prepares it ----
+
+def commands(err):
+    """The prepare.py commands an error message quotes, as prepare.main's arguments."""
+    return [c.split()[2:] for c in re.findall(r'`(python prepare\.py [^`]*)`', err)]
+
+
+def test_a_mistyped_dataset_names_the_nearest_known_one_with_a_command_that_prepares_it(tmp_path, capsys):
+    from conftest import tiny_text
+    data = tmp_path / 'data'
+    (data / 'shakespeare_char').mkdir(parents=True)
+    (data / 'shakespeare_char' / 'input.txt').write_text(tiny_text(), encoding='utf-8')  # no download
+    with pytest.raises(SystemExit) as e:
+        prepare.open_data(str(data / 'shakespeare_chr'), 8)
+    err = one_line_error(capsys, e)
+    assert 'did you mean shakespeare_char?' in err
+    known, own = commands(err)
+    assert known == ['shakespeare_char', '--out_dir', str(data)]
+    prepare.main(known)  # the command works: the data it names is then there
+    assert prepare.open_data(str(data / 'shakespeare_char'), 8)['tokenizer'] == 'char'
+    assert own == ['shakespeare_chr', '--input=PATH', '--out_dir', str(data)]  # a folder for your own text
+
+
+def test_a_dataset_of_your_own_name_is_told_to_prepare_it_from_your_text(tmp_path, capsys):
+    (tmp_path / 'mine.txt').write_text('to be or not to be ' * 200, encoding='utf-8')
+    with pytest.raises(SystemExit) as e:
+        prepare.load_meta(str(tmp_path / 'data' / 'my_plays'))
+    err = one_line_error(capsys, e)
+    assert 'did you mean' not in err  # prepare.py knows no name near it
+    [cmd] = commands(err)
+    assert cmd == ['my_plays', '--input=PATH', '--out_dir', str(tmp_path / 'data')]
+    # with the text's path for PATH (and characters: GPT-2's BPE needs tiktoken's files, offline too)
+    prepare.main([a.replace('PATH', str(tmp_path / 'mine.txt')) for a in cmd] + ['--tokenizer=char'])
+    assert prepare.load_meta(str(tmp_path / 'data' / 'my_plays'))['vocab_size'] > 1

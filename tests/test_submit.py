@@ -5,6 +5,7 @@ train.py with a checkpoint, is requeued and resumes the run; the Slurm job's sba
 """
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -108,7 +109,14 @@ def test_a_job_signalled_before_a_preemption_is_requeued_and_resumes_the_run(tin
     text = log.read_text()
     assert 'stopped by SIGUSR1 at iter' in text, text[-2000:]
     stopped = int(text.split('stopped by SIGUSR1 at iter ')[1].split(':')[0])
-    assert 3 <= stopped < 100 and text.count('\n$ ') == 1  # two train.py calls: the second resumed
+    assert 3 <= stopped < 100 and text.count('\n$ ') == 1  # two train.py calls
+    first, second = text.split('\n$ ')
+    assert 'step 0:' in first and 'resuming' not in first
+    # the requeued call resumed from the stop's checkpoint: it says so, its step count continues from there,
+    # and the eval at iter 0 (the first call's) is not redone
+    assert f"resuming from jobs/loop_raw-s7/ckpt.pt at iter {stopped}" in second, second[:2000]
+    iters = [int(n) for n in re.findall(r'^iter (\d+):', second, re.M)]
+    assert iters and min(iters) >= stopped and max(iters) == 99 and 'step 0:' not in second
     rows = [json.loads(line) for line in (log.parent / 'metrics.jsonl').read_text().splitlines()]
     assert [r['iter'] for r in rows] == [0, 50, 100]
     assert json.loads((log.parent / 'status.json').read_text())['train'] == 'done'

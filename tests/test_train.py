@@ -300,3 +300,43 @@ def test_log_kappa_logs_the_mean_over_matrices_of_kappa_on_one_fixed_training_ba
         kappas.append(float((total * total).sum() / sum((g * g).sum() for g in G)))  # kappa by hand
     assert len(kappas) == 4 and max(kappas) - min(kappas) > 1e-3  # the mean is not the minimum here
     assert logged['kappa'] == pytest.approx(sum(kappas) / len(kappas), rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# denormals: fp32 values below 2^-126 count as zero in training (hardware.flush_denormals)
+
+def denormal_product():
+    """1e-20 squared: 1e-40, below float32's smallest normal number (~1.2e-38), so a denormal or zero."""
+    x = torch.tensor([1e-20])
+    return (x * x).item()
+
+
+@pytest.fixture
+def can_flush():
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot count denormals as zero (torch.set_flush_denormal is x86-only)")
+    torch.set_flush_denormal(False)  # the test starts with denormals on; conftest resets after it
+
+
+def test_flush_denormals_makes_a_product_below_the_smallest_normal_float_exactly_zero(can_flush):
+    from hardware import flush_denormals
+    assert denormal_product() > 0  # a denormal, by default
+    flush_denormals()
+    assert denormal_product() == 0.0
+
+
+def test_a_train_py_process_counts_denormals_as_zero(tmp_path, can_flush):
+    # a real process running train.py, asked after the run (an exit handler: train.py may sys.exit): an
+    # underflowing early-exit softmax made a CPU step ~20x slower with denormals on
+    write_data(tmp_path)
+    args = [*TINY, '--max_iters=1', '--eval_interval=1', '--out_dir=out']
+    code = ("import atexit, runpy, sys, torch\n"
+            f"sys.argv = ['train.py', *{args!r}]\n"
+            "x = torch.tensor([1e-20])\n"
+            "assert (x * x).item() > 0  # on before train.py\n"
+            "atexit.register(lambda: print('after train.py: 1e-20 ** 2 =', (x * x).item()))\n"
+            f"runpy.run_path({TRAIN!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, '-c', code], cwd=str(tmp_path), capture_output=True, text=True,
+                       timeout=120, env=cli_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == 'after train.py: 1e-20 ** 2 = 0.0', r.stdout[-2000:]
