@@ -5,6 +5,8 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
 
     python lab/ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python lab/ablate.py matched     # paper 1's matched-depth claim: 4 per-loop arms, 1,000 steps, 3 seeds
+    python lab/ablate.py matched_long  # the same at 1,000, 3,000 and 10,000 steps of one run, 2 seeds
+    python lab/ablate.py init_split  # the blind-spot pair under each init's embedding and block matrices
     python lab/ablate.py init_gpt2   # the blind-spot pair under GPT-2's init, 3 seeds
     python lab/ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R 1/3/5/7, 2 LRs
     python lab/ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
@@ -175,6 +177,14 @@ PRESETS['matched'] = dict(
     laptop='config/laptop_blindspot.py', seeds=(1, 2, 3), eval_depth=True, report='matched',
     arms=[arm(n, f'config/{n}.py', **MATCHED)
           for n in ('loop_rmsnorm', 'loop_raw', 'loop_final_only', 'loop_penalty')])
+# the same claim as training grows: each run trained to 10,000 steps and evaluated at 1,000 and 3,000 on
+# the way (at a constant LR the checkpoint at 1,000 steps is a 1,000-step run's)
+PRESETS['matched_long'] = dict(
+    PRESETS['matched'], report='matched_long', seeds=(1, 2), lengths=(1000, 3000, 10000),
+    title="Paper 1, matched inference depth as training grows: the four per-loop arms at 1,000, 3,000 and "
+          "10,000 steps",
+    arms=[arm(n, f'config/{n}.py', max_iters=10_000, eval_interval=50)
+          for n in ('loop_rmsnorm', 'loop_raw', 'loop_final_only', 'loop_penalty')])
 # the blind-spot pair under GPT-2's init, where the order of the norms flips (three seeds)
 PRESETS['init_gpt2'] = dict(
     title="Paper 1 under init=gpt2: per-loop RMSNorm vs raw readout, three seeds",
@@ -236,7 +246,8 @@ def plan(args, preset):
             name = f"{a['name']}-s{seed}"
             out_dir = os.path.join(args.out, name)
             jobs.append(dict(name=name, arm=a, seed=seed, out_dir=out_dir,
-                             args=run_args(base, a, seed, out_dir, args.overrides)))
+                             args=run_args(base, a, seed, out_dir, args.overrides),
+                             lengths=preset.get('lengths', ())))  # evaluated at each (run_lengths)
     return jobs
 
 
@@ -321,17 +332,19 @@ def call_logged(cmd, log_path, mode, popen_kwargs):
                 RUNNING.discard(proc)
 
 
-def train(job, launcher, popen_kwargs):
+def train(job, launcher, popen_kwargs, max_iters=None):
     """Train one run, resuming from its checkpoint if there is one (init_from=auto); returns its new status:
-    done, failed, or stopped (a signal stopped train.py early with a checkpoint: the next call resumes it)."""
+    done, failed, or stopped (a signal stopped train.py early with a checkpoint: the next call resumes it).
+    max_iters: train only to this step (a run evaluated as it grows), else to the run's own max_iters."""
     run_dir = job['out_dir']
     os.makedirs(run_dir, exist_ok=True)
-    cmd = launcher + [os.path.join(REPO, 'train.py')] + job['args'] + ['--init_from=auto']
+    upto = [f'--max_iters={max_iters}'] if max_iters else []
+    cmd = launcher + [os.path.join(REPO, 'train.py')] + job['args'] + upto + ['--init_from=auto']
     t0 = time.time()
     log_path = os.path.join(run_dir, 'train.log')
     rc = call_logged(cmd, log_path, 'a', popen_kwargs)
     rows = read_metrics(run_dir)
-    finished = rc == 0 and bool(rows) and rows[-1].get('iter', -1) >= job['cfg']['max_iters']
+    finished = rc == 0 and bool(rows) and rows[-1].get('iter', -1) >= (max_iters or job['cfg']['max_iters'])
     return dict(train='done' if finished else 'stopped' if rc == 0 else 'failed', rc=rc,
                 train_seconds=round(time.time() - t0, 1), error=None if finished else last_line(log_path))
 
@@ -362,9 +375,35 @@ def wants_eval(run_dir, status, do_eval, reeval):
             and os.path.exists(os.path.join(run_dir, 'ckpt.pt')))
 
 
+def run_lengths(job, launcher, eval_args, popen_kwargs):
+    """A run evaluated as it grows: trained to each of job['lengths'] in turn, each a resume of the last
+    (at a constant LR, one run stopped and continued), with eval_depth.py on the checkpoint at each length
+    (eval_depth-<L>.json). status.json notes each length done, so a sweep killed mid-way continues from
+    the run's last checkpoint when it is called again. Returns the status and whether there was work."""
+    run_dir = job['out_dir']
+    status, worked = read_status(run_dir), False
+    done = status.setdefault('lengths', {})
+    for L in job['lengths']:
+        if done.get(str(L)) == 'done':
+            continue
+        status.update(train(job, launcher, popen_kwargs, max_iters=L), eval=None)
+        worked = True
+        if status['train'] == 'done':
+            status['train'] = 'done' if L == job['lengths'][-1] else 'growing'
+            out = os.path.join(run_dir, f'eval_depth-{L}.json')
+            status.update(evaluate(run_dir, eval_args + [f'--json={out}'], popen_kwargs))
+            done[str(L)] = 'done' if status['eval'] == 'done' else 'eval failed'
+        write_status(run_dir, status)
+        if done.get(str(L)) != 'done':
+            break
+    return status, worked
+
+
 def run_job(job, launcher, do_eval, eval_args, popen_kwargs, reeval=False):
     """Train one run (resuming an interrupted one), then evaluate it; writes run_dir/status.json. Returns
     the status and whether there was work to do (a finished run is skipped)."""
+    if job.get('lengths'):
+        return run_lengths(job, launcher, eval_args, popen_kwargs)
     run_dir = job['out_dir']
     status, worked = read_status(run_dir), False
     if status.get('train') != 'done':

@@ -368,7 +368,7 @@ def matched_claim(arm_verdicts):
     return 'reproduces' if words else 'not tested'
 
 
-def matched_tables(arms):
+def matched_tables(arms, key='scale-controlled variants'):
     cols = ' | '.join(f'≤ {b:g}' for b in MATCHED_BUDGETS)
     lines = ["### Matched inference depth: the lowest val PPL within a budget of average loops", "",
              "Operating points: the fixed exits and every adaptive-exit threshold (max-prob, margin, "
@@ -401,12 +401,32 @@ def matched_tables(arms):
         lines.append(f"| {name} | " + ' | '.join(cells) + f" | {verdicts[-1]} |")
     seeds = len(by_seed(arms.get(BASELINE_ARM, [])))
     return lines + [""] + verdict_block([(
-        'scale-controlled variants', matched_claim(verdicts), seeds,
+        key, matched_claim(verdicts), seeds,
         f"computed: a lower PPL at matched depth? the weakest of the arms' verdicts against {BASELINE_ARM}")])
 
 
 def matched_report(arms, header, report_dir, prefix):
     return header + matched_tables(arms) + blindspot_report(arms, [], report_dir, prefix)
+
+
+def matched_long_report(arms, header, lengths):
+    """The matched-depth tables at each training length a run was evaluated at (eval_depth-<L>.json),
+    for the lengths every arm reached on at least two seeds; the others are listed as not reached."""
+    lines = list(header)
+    for L in lengths:
+        at = {name: [dict(r, depth=read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json')))
+                     for r in runs] for name, runs in arms.items()}
+        seeds = min(len(depths(runs)) for runs in at.values())
+        lines += [f"## {L:,} steps", ""]
+        if seeds < 2:
+            lines += [f"Not reached: {sum(len(depths(r)) for r in at.values())} of "
+                      f"{sum(len(r) for r in at.values())} runs evaluated at this length (a verdict needs "
+                      f"two seeds of every arm).", ""]
+            continue
+        tables = matched_tables(at, key=f'scale-controlled variants at {L:,} steps')
+        lines += [t.replace('### Matched inference depth', f'### {L:,} steps, matched inference depth', 1)
+                  for t in tables]
+    return lines
 
 
 def recurrent_report(arms, header, report_dir, prefix):
@@ -886,6 +906,8 @@ def write_report(preset_name, preset, jobs, args, sweep):
         if preset['report'] in ('deeploop', 'kappa', 'escape') else None
     if preset['report'] == 'blindspot':
         lines = blindspot_report(arms, header, args.report_dir, prefix)
+    elif preset['report'] == 'matched_long':
+        lines = matched_long_report(arms, header, preset['lengths'])
     elif preset['report'] == 'matched':
         lines = matched_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'recurrent':

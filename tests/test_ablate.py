@@ -645,3 +645,47 @@ def test_report_only_with_no_finished_run_refuses_and_leaves_the_report(tiny_con
     assert err.startswith('error: --report_only: no finished run of tinyempty') and err.count('\n') == 1
     assert (tmp_path / 'rep' / 'tinyempty.md').read_text(encoding='utf-8') == 'the committed report\n'
     assert not (tmp_path / 'rep' / 'tinyempty.json').exists()
+
+
+def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(tiny_data, tiny_config,
+                                                                                  tmp_path, monkeypatch):
+    # matched_long's runner: one run trained to 4, then 8 steps, eval_depth at each length. A kill -9 in the
+    # middle of the second segment leaves a checkpoint at step 6; the next call resumes there (no step
+    # before 6 is trained again) and ends with the same metrics as a run that was never killed
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'tiny.py').write_text(TINY.replace('eval_interval = 5', 'eval_interval = 2'), encoding='utf-8')
+    preset = dict(title='grow', laptop=tiny_config, seeds=(3,), eval_depth=True, report='matched_long',
+                  lengths=(4, 8), arms=[ablate.arm(n, f'config/{n}.py', max_iters=8)
+                                        for n in ('loop_rmsnorm', 'loop_raw')])
+    monkeypatch.setitem(ablate.PRESETS, 'grow', preset)
+    eval_args = '--eval_args=--n_seqs=8 --batch_size=4 --timing_repeats=1 --n_grad_seqs=4 --exits=2'
+    argv = ['grow', '--out', 'runs', '--report_dir', 'rep', '--workers=1', eval_args, '--only=loop_raw']
+    ablate.main(argv + ['--out', 'clean'])  # the run never killed
+    real_train = ablate.train
+
+    def killed_at_6(job, launcher, popen_kwargs, max_iters=None):
+        if max_iters == 8:  # train.py to step 6 only, then a kill: the status says nothing of it
+            real_train(job, launcher, popen_kwargs, max_iters=6)
+            return dict(train='failed', rc=-9, train_seconds=0.0, error='killed')
+        return real_train(job, launcher, popen_kwargs, max_iters)
+    monkeypatch.setattr(ablate, 'train', killed_at_6)
+    ablate.main(argv)
+    status = json.loads((tmp_path / 'runs' / 'loop_raw-s3' / 'status.json').read_text())
+    assert status['lengths'] == {'4': 'done'} and status['train'] == 'failed'
+    assert (tmp_path / 'runs' / 'loop_raw-s3' / 'eval_depth-4.json').exists()
+    monkeypatch.setattr(ablate, 'train', real_train)
+    ablate.main(argv)  # the sweep called again
+    run = tmp_path / 'runs' / 'loop_raw-s3'
+    status = json.loads((run / 'status.json').read_text())
+    assert status['lengths'] == {'4': 'done', '8': 'done'} and status['train'] == 'done', status
+    assert 'resuming from runs/loop_raw-s3/ckpt.pt at iter 6' in (run / 'train.log').read_text()
+    rows = lambda d: [json.loads(l) for l in (d / 'metrics.jsonl').read_text().splitlines()]
+    clean = rows(tmp_path / 'clean' / 'loop_raw-s3')
+    assert [r['iter'] for r in rows(run)] == [r['iter'] for r in clean] == [0, 2, 4, 6, 8]
+    assert [r['val_ce'] for r in rows(run)] == [r['val_ce'] for r in clean]  # bit for bit
+    for L in (4, 8):
+        ckpt_iter = json.loads((run / f'eval_depth-{L}.json').read_text())['iter_num']
+        assert ckpt_iter == L  # each length's eval read the checkpoint at that length
+    ablate.main(['grow', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
+    md = (tmp_path / 'rep' / 'grow.md').read_text()
+    assert '## 4 steps' in md and '## 8 steps' in md and 'Not reached: 1 of 2 runs' in md
