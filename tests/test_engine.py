@@ -1,10 +1,15 @@
-"""engine.py: the KV-cache policies, the refill past the block size, self-speculative decoding."""
+"""engine.py and exits.py: the KV-cache policies, what an early exit leaves in every slot, the refill past the
+block size, self-speculative decoding."""
+import copy
 import math
 
 import pytest
 import torch
 
-from engine import KV_POLICIES, KVCache, decode_step, generate, speculate_round
+import engine
+import exits
+from engine import KVCache, decode_step, generate, speculate_round
+from exits import adaptive_step, exit_rows
 from model import GPT, GPTConfig
 from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
 
@@ -59,19 +64,90 @@ def test_shared_cache_memory_is_independent_of_R():
     assert nbytes(4, 'shared', 4) == nbytes(4, 'recompute')
 
 
-def test_copy_fills_skipped_slots_with_the_exit_loops_keys_and_values():
-    m, x = tiny(), prompts(B=2)
-    R = 4
-    cache = KVCache(m, 2, R, 'cpu', torch.float32, 'copy')
-    decode_step(m, x, cache, 0, R)
-    _, used = decode_step(m, x[:, -1:], cache, 4, R, threshold=0.0)     # every row exits after loop 1
-    assert used.eq(1).all()
-    for j in range(m.config.n_layer):
-        first = cache.slot('loop', j, 1)
-        for k in range(2, R + 1):
-            slot = cache.slot('loop', j, k)
-            assert torch.equal(slot.k[:, :, 4], first.k[:, :, 4])
-            assert torch.equal(slot.v[:, :, 4], first.v[:, :, 4])
+def exit_at(loops):
+    """A stand-in for exits.ExitScorer whose rows exit at the loops given, one per row."""
+    class Scorer:
+        def __init__(self, model, policy):
+            self.left, self.k = torch.tensor(loops), 0
+
+        def __call__(self, z, logits):
+            self.k += 1
+            return (self.left <= self.k).float()  # >= the threshold 0.5 from loop loops[b] on
+
+        def keep(self, rows):
+            self.left = self.left[rows]
+    return Scorer
+
+
+def visits(m, cache, tok, pos, R):
+    """What tokens tok (B, 1) compute at pos when they run all R loops after the cache's history (on a copy
+    of it): the input of every (loop, layer) visit {(k, j): (B, 1, C)} and the states {k: h_k}."""
+    inputs, states, K = {}, {}, m.config.n_layer
+    # (hooks that return None: the block runs as it would)
+    hooks = [block.register_forward_pre_hook(lambda mod, args, j=j: inputs.__setitem__(
+        (len(inputs) // K + 1, j), args[0])) for j, block in enumerate(m.transformer.h)]
+    hooks.append(m.transformer.h[-1].register_forward_hook(
+        lambda mod, args, out: states.__setitem__(len(states) + 1, out)))
+    decode_step(m, tok, copy.deepcopy(cache), pos, R)
+    for hook in hooks:
+        hook.remove()
+    return inputs, states
+
+
+@pytest.mark.parametrize('kw', [dict(inter_loop_norm='layernorm', n_coda=1), dict(injection='add', n_prelude=1)])
+@pytest.mark.parametrize('policy,kv_slots', [('recompute', None), ('copy', None), ('active', None),
+                                             ('shared', 2), ('shared', 3)])
+def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_says(kw, policy, kv_slots,
+                                                                                 monkeypatch):
+    # rows 0 and 1 exit at loops 2 and 3 of R = 4; position 5 of every slot is pinned against what each visit
+    # computes (the loops a row ran are those of a full-depth step up to its exit, even under shared slots).
+    # A layernorm between loops, or the injection, makes loop_input(h, e) other than h: recompute must
+    # start from what loop k+1 would read
+    R, pos, K = 4, 5, 2
+    m = tiny(**kw)
+    with torch.no_grad():
+        if kw.get('inter_loop_norm'):
+            m.transformer.ln_loop.weight.uniform_(0.5, 1.5)
+    seq = prompts(B=2, n=pos + 1, seed=4)
+    cache = KVCache(m, 2, R, 'cpu', torch.float32, policy, kv_slots)
+    decode_step(m, seq[:, :pos], cache, 0, R)
+    monkeypatch.setattr(exits, 'ExitScorer', exit_at([2, 3]))
+    with torch.no_grad():
+        inputs, states = visits(m, cache, seq[:, pos:], pos, R)  # loop 1 reads e
+        _, used = exit_rows(m, seq[:, pos:], cache, pos, R, 0.5, 'maxprob')
+        rope = m.rope(pos, 1)
+        kv = lambda x, j, b, block=None: [t[b, :, 0] for t in (block or m.transformer.h[j]).keys_values(x, rope)]
+        assert used.tolist() == [2, 3]
+        for b, exit_k in enumerate((2, 3)):
+            want = {}  # (k, j) -> the K/V a later token reads at this visit, or None for 'not seen'
+            for k in range(1, R + 1):
+                for j in range(K):
+                    if k <= exit_k:
+                        want[k, j] = kv(inputs[k, j], j, b)
+                    elif policy == 'recompute':
+                        want[k, j] = kv(m.loop_input(states[exit_k], inputs[1, 0]), j, b)
+                    elif policy == 'copy':
+                        want[k, j] = kv(inputs[exit_k, j], j, b)
+                    else:
+                        want[k, j] = None
+            if policy == 'shared':  # slot s holds the last loop this row ran in it, else its exit loop's
+                for s in range(kv_slots):
+                    ran = [k for k in range(1, exit_k + 1) if (k - 1) % kv_slots == s]
+                    for j in range(K):
+                        want[s + 1, j] = kv(inputs[ran[-1] if ran else exit_k, j], j, b)
+                want = {key: w for key, w in want.items() if key[0] <= kv_slots}
+            for (k, j), w in want.items():
+                slot = cache.slot('loop', j, k)
+                if policy == 'active':
+                    assert bool(slot.reach[b, pos]) == (k <= exit_k), (b, k, j)
+                    w = w if k <= exit_k else [torch.zeros_like(slot.k[b, :, pos])] * 2  # never written
+                got = (slot.k[b, :, pos], slot.v[b, :, pos])
+                assert all(torch.allclose(g, t, atol=1e-5) for g, t in zip(got, w)), (b, k, j)
+            if m.config.n_coda:  # the coda's slot holds the K/V of the row's own exit state
+                coda = cache.slot('coda', 0)
+                w = kv(states[exit_k], 0, b, m.transformer.coda[0])
+                assert torch.allclose(coda.k[b, :, pos], w[0], atol=1e-5)
+                assert torch.allclose(coda.v[b, :, pos], w[1], atol=1e-5)
 
 
 @pytest.mark.parametrize('policy', ['copy', 'shared', 'active'])
@@ -93,7 +169,7 @@ def test_active_attention_sees_only_positions_that_reached_the_loop():
     R = 4
     cache = KVCache(m, 1, R, 'cpu', torch.float32, 'active')
     decode_step(m, x, cache, 0, R)
-    decode_step(m, x[:, -1:], cache, 4, R, threshold=0.0)               # position 4 exits at loop 1
+    adaptive_step(m, x[:, -1:], cache, 4, R, 0.0, 'maxprob')            # position 4 exits at loop 1
     assert cache.slot('loop', 0, 1).reach[0, :5].all()
     assert cache.slot('loop', 0, 2).reach[0, :5].tolist() == [True] * 4 + [False]
     # the next token's loop 2 sees positions 0..3 and itself: 5 keys
@@ -108,15 +184,6 @@ def test_active_attention_sees_only_positions_that_reached_the_loop():
     slot.update = watch
     decode_step(m, x[:, :1], cache, 5, R)
     assert seen == [5]
-
-
-def test_unknown_policy_and_bad_kv_slots_are_rejected():
-    m = tiny()
-    with pytest.raises(AssertionError, match='kv_policy'):
-        KVCache(m, 1, 4, 'cpu', torch.float32, 'latest')
-    with pytest.raises(AssertionError, match='kv_slots'):
-        KVCache(m, 1, 4, 'cpu', torch.float32, 'shared', 0)
-    assert set(KV_POLICIES) == {'recompute', 'copy', 'shared', 'active'}
 
 
 # ---------------------------------------------------------------- past the block size
