@@ -383,7 +383,7 @@ def test_sample_reports_tokens_per_second_loops_and_acceptance(tiny_data, tiny_c
     (['--kv_policy=shared', '--kv_slots=0'], '--kv_policy=shared needs --kv_slots=N'),
     (['--kv_policy=shared'], '--kv_policy=shared needs --kv_slots=N'),
     (['--kv_policy=shared', '--kv_slots=3'], 'at most 2 slots'),
-    (['--kv_slots=2'], 'add it, or drop --kv_slots'),
+    (['--kv_slots=2'], 'sets the slots of --kv_policy=shared: add it'),
     (['--kv_policy=copy'], 'add --exit_threshold'),
     (['--draft_loops=2'], 'fewer loops than the 2'),
     (['--draft_loops=1', '--speculate=0'], '--speculate=0: must be >= 1'),
