@@ -9,9 +9,9 @@ Teacher forcing: the next input token is always the true validation token, never
 CE at each position is that of the logits of the exit its token stopped at. Each window starts from an
 empty cache; its first token runs alone at position 0 and every later token runs as one decode step
 (exits.adaptive_step; engine.decode_step at fixed depth), so every token, the first included, may exit
-early. Past the block size the engine's refill takes over, as in generate: when the window is full it slides to its last block_size/2 tokens
-and one fixed-depth pass over them refills the cache (that token counts R loops; the refill's pass over
-the context is not counted in the loops per token).
+early. Past the block size the engine's refill takes over, as in generate: when the window is full it
+slides to its last block_size/2 tokens and one fixed-depth pass over them refills the cache (that token
+counts R loops; the refill's pass over the context is not counted in the loops per token).
 
 Curves, per checkpoint:
   fixed depth    every token at loop n, n = 1..R, through the cache (KVCache with n loops)

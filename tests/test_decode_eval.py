@@ -94,7 +94,8 @@ def test_gaps_are_measured_against_recompute_and_against_fixed_depth_through_the
     res = de.evaluate(m, X, Y, kv_policies=('recompute', 'copy'), thresholds=[0.05, 0.3, 0.6, 1.0],
                       kv_slots=2)
     # the fixed-depth baseline: n loops for every token, the refill included, as recomputed by hand
-    fixed = [de.point(cropped_ce(m, X, Y, n), torch.full(X.shape, float(n)), n_loop=n) for n in range(1, R + 1)]
+    fixed = [de.point(cropped_ce(m, X, Y, n), torch.full(X.shape, float(n)), n_loop=n)
+             for n in range(1, R + 1)]
     for got, want in zip(res['fixed'], fixed):
         assert got['loops'] == want['loops'] and got['ce'] == pytest.approx(want['ce'], abs=1e-6)
     pol = res['policies']

@@ -94,7 +94,8 @@ def visits(m, cache, tok, pos, R):
     return inputs, states
 
 
-@pytest.mark.parametrize('kw', [dict(inter_loop_norm='layernorm', n_coda=1), dict(injection='add', n_prelude=1)])
+@pytest.mark.parametrize('kw', [dict(inter_loop_norm='layernorm', n_coda=1),
+                                dict(injection='add', n_prelude=1)])
 @pytest.mark.parametrize('policy,kv_slots', [('recompute', None), ('copy', None), ('active', None),
                                              ('shared', 2), ('shared', 3)])
 def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_says(kw, policy, kv_slots,
@@ -116,7 +117,8 @@ def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_say
         inputs, states = visits(m, cache, seq[:, pos:], pos, R)  # loop 1 reads e
         _, used = exit_rows(m, seq[:, pos:], cache, pos, R, 0.5, 'maxprob')
         rope = m.rope(pos, 1)
-        kv = lambda x, j, b, block=None: [t[b, :, 0] for t in (block or m.transformer.h[j]).keys_values(x, rope)]
+        kv = lambda x, j, b, block=None: [t[b, :, 0] for t in
+                                          (block or m.transformer.h[j]).keys_values(x, rope)]
         assert used.tolist() == [2, 3]
         for b, exit_k in enumerate((2, 3)):
             want = {}  # (k, j) -> the K/V a later token reads at this visit, or None for 'not seen'
@@ -299,7 +301,7 @@ def sharp(V=5, R=3):
 
 
 def exact_pairs(m, x, n_loop, temperature=1.0, top_k=None):
-    """P(t2, t3) (V, V) of tokens 2 and 3 sampled after x (logits / temperature, top_k kept), by enumeration."""
+    """P(t2, t3) (V, V) of tokens 2 and 3 sampled after x (logits / temperature, top_k kept), enumerated."""
     V = m.config.vocab_size
     p = lambda seq: engine.probs(m(seq, n_loop=n_loop)[0][:, -1], temperature, top_k)[0]
     out = torch.zeros(V, V)
@@ -325,8 +327,8 @@ def chi2(counts, expected):
     return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize('k,gamma,batch,temperature,top_k', [(1, 2, False, 1.0, None), (2, 3, False, 1.0, None),
-                                                            (1, 2, True, 1.0, None), (2, 2, True, 0.7, 3)])
+@pytest.mark.parametrize('k,gamma,batch,temperature,top_k', [
+    (1, 2, False, 1.0, None), (2, 3, False, 1.0, None), (1, 2, True, 1.0, None), (2, 2, True, 0.7, 3)])
 def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch, temperature, top_k):
     # at temperature 0.7 with top_k = 3 of 5 tokens too: a draft drawn at temperature 1 or from all 5 tokens
     # (while accepted against the sharpened, cropped q) samples from another distribution
@@ -342,8 +344,8 @@ def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch, temperat
         runs = []
         for seed in range(N):
             torch.manual_seed(seed)
-            runs.append(generate(m, x, 3, temperature=temperature, top_k=top_k, draft_loops=k, speculate=gamma,
-                                 stats=stats)[0])
+            runs.append(generate(m, x, 3, temperature=temperature, top_k=top_k, draft_loops=k,
+                                 speculate=gamma, stats=stats)[0])
         out = torch.cat(runs)
     counts = torch.zeros(5, 5)
     counts.index_put_((out[:, 5], out[:, 6]), torch.ones(N), accumulate=True)
