@@ -65,7 +65,8 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
-from engine import KV_POLICIES, KVCache, exit_score, generate
+from engine import KVCache, generate
+from exits import KV_POLICIES, exit_score
 from kernels import LinearCrossEntropy
 from model import GPT, GPTConfig, flops_per_token
 

@@ -8,14 +8,14 @@ as a deployed model would, and measure CE / PPL against the mean loops per token
 Teacher forcing: the next input token is always the true validation token, never a sampled one, and the
 CE at each position is that of the logits of the exit its token stopped at. Each window starts from an
 empty cache; its first token runs alone at position 0 and every later token runs as one decode step
-(engine.step), so every token, the first included, may exit early. Past the block size the engine's
-refill takes over, as in generate: when the window is full it slides to its last block_size/2 tokens
-and one fixed-depth pass over them refills the cache (that token counts R loops; the refill's pass over
-the context is not counted in the loops per token).
+(exits.adaptive_step; engine.decode_step at fixed depth), so every token, the first included, may exit
+early. Past the block size the engine's refill takes over, as in generate: when the window is full it
+slides to its last block_size/2 tokens and one fixed-depth pass over them refills the cache (that token
+counts R loops; the refill's pass over the context is not counted in the loops per token).
 
 Curves, per checkpoint:
   fixed depth    every token at loop n, n = 1..R, through the cache (KVCache with n loops)
-  token-level    every kv_policy (engine.KV_POLICIES) at every threshold of --exit_policy: thresholds
+  token-level    every kv_policy (exits.KV_POLICIES) at every threshold of --exit_policy: thresholds
                  at --quantiles of the per-token scores of exits 1..R-1, or the --thresholds given
   sequence-level lab/eval_depth.py's adaptive exit (a whole window stops) on the same tokens, cut
                  into block_size windows (its functions, on a full-sequence pass)
@@ -37,8 +37,9 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
 from ablate import code_version
-from engine import EXIT_POLICIES, KV_POLICIES, ExitScorer, KVCache, decode_step, score_threshold, step
+from engine import KVCache, decode_step
 from errors import Parser, die
+from exits import EXIT_POLICIES, KV_POLICIES, ExitScorer, adaptive_step, score_threshold
 from eval_depth import adaptive_curves, exit_stats, json_safe, quantile_thresholds, val_windows
 from prepare import load_meta
 from reports import plt_or_none, save
@@ -48,12 +49,19 @@ QUANTILES = (0.02, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 0.95)  # of the per-token ex
 # -----------------------------------------------------------------------------
 # teacher-forced decoding through the cache
 
+def step(model, idx, cache, pos, n_loop, threshold, exit_policy):
+    # one step as generate takes it: logits (B, V) and loops used (B,); fixed depth without a threshold
+    if threshold is None:
+        return decode_step(model, idx, cache, pos, n_loop), torch.full((idx.size(0),), float(n_loop))
+    return adaptive_step(model, idx, cache, pos, n_loop, threshold, exit_policy)
+
+
 @torch.no_grad()
 def decode(model, X, Y, n_loop, threshold=None, exit_policy='maxprob', kv_policy='recompute',
            kv_slots=None, bar=None):
     """Decode windows X (B, T) one token at a time, teacher-forced: per-token CE (B, T) against Y at
     each token's exit, loops used (B, T), and the number of refills. threshold: a score (see
-    engine.score_threshold); None = every token runs n_loop loops."""
+    exits.score_threshold); None = every token runs n_loop loops."""
     B, T = X.shape
     bs = model.config.block_size
     dtype = model.lm_head.weight.dtype
@@ -70,7 +78,7 @@ def decode(model, X, Y, n_loop, threshold=None, exit_policy='maxprob', kv_policy
             if pos == 0:
                 logits, used = step(model, X[:, t:t + 1], cache, 0, n_loop, threshold, exit_policy)
             else:  # the refill: one fixed-depth pass over the window, as generate does
-                logits, used = decode_step(model, X[:, start:t + 1], cache, 0, n_loop)
+                logits, used = step(model, X[:, start:t + 1], cache, 0, n_loop, None, exit_policy)
         else:
             logits, used = step(model, X[:, t:t + 1], cache, pos, n_loop, threshold, exit_policy)
         ce[:, t] = F.cross_entropy(logits.float(), Y[:, t], reduction='none').double().cpu()

@@ -47,7 +47,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
 from diagnostics import clamped_states, radial_gradient, visit_alignment
-from engine import EXIT_POLICIES, ExitScorer, exit_score
+from exits import EXIT_POLICIES, ExitScorer, exit_score
 from errors import Parser, die
 from prepare import load_meta, missing_file
 

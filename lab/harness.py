@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 from torch.nn import functional as F
@@ -52,7 +51,7 @@ class NanoLoop(LM):
         super().__init__()
         path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
         ckpt = checkpoint.load(path)
-        meta = tokenizer_meta(SimpleNamespace(meta=meta), ckpt, path)  # as sample.py finds it
+        meta = tokenizer_meta(meta, ckpt, path)  # as sample.py finds it
         self.encode, self.decode = get_tokenizer(meta)
         self.chars = set(meta.get('itos') or ())
         self.stand_in = ' ' if ' ' in self.chars else (meta.get('itos') or ' ')[0]

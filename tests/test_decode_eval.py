@@ -11,7 +11,7 @@ import torch
 
 import decode_eval as de
 from conftest import save_tiny_checkpoint
-from engine import KV_POLICIES
+from exits import KV_POLICIES
 from model import GPT, GPTConfig
 
 R, BS = 3, 16
@@ -63,6 +63,47 @@ def test_past_the_block_the_engine_refills_every_half_block():
     full, _ = de.token_exits(m, X[:, :BS], Y[:, :BS], 'maxprob')
     fixed, _, _ = de.decode(m, X, Y, R)
     assert torch.allclose(fixed[:, :BS].reshape(-1), full[:, -1], atol=1e-5)  # inside the first block
+
+
+def cropped_ce(m, X, Y, n_loop):
+    """Per-token CE (B, T) of fixed-depth decoding by full recompute, each token read after the window
+    generate crops to: when it would hold block_size + 1 tokens it keeps the last block_size/2."""
+    start, ce = 0, torch.zeros(X.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for t in range(X.size(1)):
+            if t + 1 - start > BS:
+                start = t + 1 - BS // 2
+            logits = m(X[:, start:t + 1], n_loop=n_loop)[0][:, -1].float()
+            ce[:, t] = torch.nn.functional.cross_entropy(logits, Y[:, t], reduction='none').double()
+    return ce
+
+
+@pytest.mark.parametrize('kw', KINDS)
+def test_past_the_block_fixed_depth_decoding_is_recompute_on_the_window_generate_keeps(kw):
+    # every token, refills included: a window one token longer or shorter, or a refill one position
+    # behind, changes the CE of the tokens after it
+    m, (X, Y) = tiny(**kw), windows(B=2, T=40)
+    for n in (1, R):
+        ce, loops, refills = de.decode(m, X, Y, n)
+        assert refills == 3 and bool((loops == n).all())
+        assert torch.allclose(ce, cropped_ce(m, X, Y, n), atol=1e-5), n
+
+
+def test_gaps_are_measured_against_recompute_and_against_fixed_depth_through_the_cache():
+    m, (X, Y) = tiny(readout='raw'), windows(B=2, T=24)
+    res = de.evaluate(m, X, Y, kv_policies=('recompute', 'copy'), thresholds=[0.05, 0.3, 0.6, 1.0],
+                      kv_slots=2)
+    # the fixed-depth baseline: n loops for every token, the refill included, as recomputed by hand
+    fixed = [de.point(cropped_ce(m, X, Y, n), torch.full(X.shape, float(n)), n_loop=n)
+             for n in range(1, R + 1)]
+    for got, want in zip(res['fixed'], fixed):
+        assert got['loops'] == want['loops'] and got['ce'] == pytest.approx(want['ce'], abs=1e-6)
+    pol = res['policies']
+    assert len({p['loops'] for p in pol['copy']}) > 2  # the thresholds span several mean depths
+    for p in ('recompute', 'copy'):
+        assert res['over_fixed'][p] == pytest.approx(de.matched_gap(pol[p], fixed), abs=1e-6)
+    assert res['gap'] == {'copy': de.matched_gap(pol['copy'], pol['recompute'])}
+    assert res['gap']['copy']['n'] > 0 and res['over_fixed']['copy']['n'] > 0
 
 
 def test_matched_gap_interpolates_in_loops():

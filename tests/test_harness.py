@@ -41,6 +41,25 @@ def out(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
+def deep(tmp_path_factory):
+    # a model whose exits disagree: block matrices 3x their init make the greedy text differ at depths 1
+    # and 2 (at the init every depth repeats one character), and the final_only readout reads exit 1
+    # without the norm, exit 2 with it
+    text = tiny_text(2000) + ''.join(d['context'] + ' '.join(d['choices']) for d in DOCS)
+    itos = sorted(set(text))
+    meta = dict(dataset='harness_tiny', tokenizer='char', vocab_size=len(itos), itos=itos)
+    path = str(tmp_path_factory.mktemp('harness_deep') / 'out' / 'ckpt.pt')
+    model = save_tiny_checkpoint(path, len(itos), dataset='harness_tiny', meta=meta, seed=1,
+                                 readout='final_only')
+    with torch.no_grad():
+        for p in model.transformer.h.parameters():
+            p.mul_(3.0 if p.dim() == 2 else 1.0)
+    ckpt = torch.load(path, weights_only=False)
+    torch.save(dict(ckpt, model=model.state_dict()), path)
+    return Path(path).parent
+
+
+@pytest.fixture(scope='module')
 def lm(out):
     torch.set_num_threads(1)
     return harness.NanoLoop(str(out), depths=DEPTHS, batch_size=3)
@@ -95,19 +114,38 @@ def test_rolling_loglikelihood_is_the_val_ce_times_the_tokens(out, lm):
             assert got == pytest.approx(-ce[k - 1].item() * n, rel=1e-5), (n, k)
 
 
-def test_generate_until_is_greedy_generate_cut_at_the_stop_string(out, lm):
-    model, ids = model_and_ids(out)
-    decode = lm.decode
+def test_generate_until_is_greedy_generate_cut_at_the_stop_string(deep):
+    lm = harness.NanoLoop(str(deep), depths=(1, 2), batch_size=3)
+    model, ids = model_and_ids(deep)
+    decode, texts = lm.decode, set()
     for k in (1, 2):
         lm.n_loop = k
         ctx = DOCS[0]['context']
         y, _ = generate(model, torch.tensor([ids(ctx)]), 20, temperature=0, n_loop=k)
         full = decode(y[0, len(ctx):].tolist())
+        texts.add(full)
         stop = full[5]  # a character it does produce: the answer is the text before its first occurrence
         req = Instance('generate_until', {}, (ctx, {'until': [stop], 'max_gen_toks': 20}), 0)
         assert lm.generate_until([req]) == [full.split(stop)[0]]
         req = Instance('generate_until', {}, (ctx, {'until': ['never'], 'max_gen_toks': 20}), 0)
         assert lm.generate_until([req]) == [full]
+    assert len(texts) == 2  # the depths decode other text, so a generate_until at the wrong depth shows
+
+
+def test_each_depth_is_scored_at_its_own_exit(deep):
+    # under final_only, exit 1 of a 2-loop pass is read without the readout norm: scoring it as exit R
+    # (with the norm) gives other log-likelihoods
+    lm = harness.NanoLoop(str(deep), depths=(1, 2), batch_size=3)
+    model, ids = model_and_ids(deep)
+    pairs = [(d['context'], ' ' + d['choices'][0]) for d in DOCS[:3]]
+    reqs = [Instance('loglikelihood', {}, p, i) for i, p in enumerate(pairs)]
+    got = {}
+    for k in (1, 2):
+        lm.n_loop = k
+        got[k] = [ll for ll, _ in lm.loglikelihood(reqs)]
+        for (ctx, cont), ll in zip(pairs, got[k]):
+            assert ll == pytest.approx(reference_ll(model, ids, ctx, cont, k)[0], abs=1e-4), (k, ctx)
+    assert all(abs(a - b) > 1e-2 for a, b in zip(got[1], got[2]))
 
 
 def test_local_task_through_lm_evals_entry_point(out, lm, monkeypatch):

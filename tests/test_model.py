@@ -7,7 +7,8 @@ import torch
 from torch.nn import functional as F
 
 from configurator import MODEL_CHOICES, check_model
-from engine import THRESHOLD_RANGES, KVCache, decode_step, generate
+from engine import KVCache, decode_step, generate
+from exits import THRESHOLD_RANGES, adaptive_step
 from hardware import attention_path, auto_dtype, peak_flops
 from kernels import LinearCrossEntropy, attention
 from model import GPT, GPTConfig, estimate_mfu, flops_per_token
@@ -602,13 +603,13 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
     K, R = 2, 3
     cache = KVCache(m, 1, R, 'cpu', torch.float32)
     decode_step(m, idx[:, :4], cache, 0, R)
-    _, used = decode_step(m, idx[:, 4:5], cache, 4, R, threshold=0.0)     # exits after loop 1
+    _, used = adaptive_step(m, idx[:, 4:5], cache, 4, R, 0.0, 'maxprob')  # exits after loop 1
     assert used.item() == 1
     # the exit state entering loop 2 is frozen; loops 2..R write K/V computed from it
     x = m.states(idx[:, :5], n_loop=1)[0][:, -1:]  # the new token's state after loop 1
     for k in (2, 3):
         for j, block in enumerate(m.transformer.h):
-            _, kk, vv = block.attn.qkv(block.ln_1(x))
+            kk, vv = block.keys_values(x)
             slot = cache.slots['loop'][(k - 1) * K + j]
             assert torch.allclose(slot.k[:, :, 4:5], kk, atol=1e-5)
             assert torch.allclose(slot.v[:, :, 4:5], vv, atol=1e-5)

@@ -23,7 +23,8 @@ from test_reliability import assert_clean_error, model_tensors_equal, torchrun_u
 import diagnostics
 import eval_depth
 from configurator import check_model
-from engine import ExitScorer, generate, score_threshold
+from engine import generate
+from exits import ExitScorer, score_threshold
 from model import GPT, GPTConfig, exit_distribution, flops_per_token
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'golden_metrics.json')
@@ -317,8 +318,7 @@ def test_kl_exit_score_is_minus_kl_between_successive_exits():
     m = tiny(n_loop=4).eval()
     X, _ = batch(B=2)
     logps = exit_logps(m, X)
-    import engine
-    score = engine.ExitScorer(m, 'kl')
+    score = ExitScorer(m, 'kl')
     with torch.no_grad():
         got = [score(None, m.readout(h, k)) for k, h in enumerate(m.states(X), start=1)]
     assert bool(torch.isneginf(got[0]).all())  # exit 1 has no previous exit
@@ -337,8 +337,7 @@ def test_gate_exit_score_is_the_cumulative_sum_of_the_exit_distribution():
     with torch.no_grad():
         zs = [m.head_input(h, k) for k, h in enumerate(m.states(X), start=1)]
         lam = torch.stack([torch.sigmoid(m.exit_gate(z).float()).squeeze(-1) for z in zs])  # (R, B, T)
-        import engine
-        score = engine.ExitScorer(m, 'gate')
+        score = ExitScorer(m, 'gate')
         got = [score(z, m.lm_head(z)) for z in zs]
     p, total = [], torch.zeros_like(lam[0])
     for k in range(4):  # p(k) = lambda_k prod_{j<k} (1 - lambda_j), by hand; the score is sum_{j<=k} p(j)
