@@ -71,7 +71,7 @@ def policies(model):
 @torch.no_grad()
 def exit_stats(model, X, Y, n_loop, batch_size, clamp='none', bar=None):
     """Run every window through n_loop loops. Returns ce (N, n_loop) per-sequence CE at every exit,
-    scores {policy: (N, n_loop)} per-sequence mean exit score (engine.ExitScorer; 'kl' is -inf at exit 1),
+    scores {policy: (N, n_loop)} per-sequence mean exit score (exits.ExitScorer; 'kl' is -inf at exit 1),
     norms (n_loop,) mean per-token ||h_k||. bar: a progress bar, advanced once per batch."""
     ce, norms, scores = [], [], {p: [] for p in policies(model)}
     for i in range(0, X.size(0), batch_size):
@@ -223,7 +223,7 @@ def adaptive_curves(ce, scores, quantiles):
 
 
 def flag_threshold(policy, score):
-    """The --exit_threshold (sample.py, with --exit_policy=policy) that engine.score_threshold turns into
+    """The --exit_threshold (sample.py, with --exit_policy=policy) that exits.score_threshold turns into
     this score: for kl the KL bound, -score (its scores are -KL); the score itself for the others."""
     return -score if policy == 'kl' else score
 

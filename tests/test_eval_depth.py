@@ -305,8 +305,8 @@ def test_missing_checkpoint_error_names_the_positional_out_dir_eval_depth_takes(
 
 def test_calibrated_kl_threshold_is_the_positive_kl_bound_sample_py_takes(capsys):
     # the kl score is -KL; sample.py --exit_policy=kl --exit_threshold=X exits when KL <= X
-    # (engine.score_threshold: score -X), so the table and the JSON give X, not the score
-    from engine import score_threshold
+    # (exits.score_threshold: score -X), so the table and the JSON give X, not the score
+    from exits import score_threshold
     model = tiny(n_loop=3)
     X, Y = batch(B=16)
     # a loose tolerance, so that an untrained model's early exits are worth calibrating
