@@ -344,6 +344,26 @@ def check_split(data_dir, split, meta):
                 f"the files do not belong together, rerun `{prepare_command(data_dir)}`")
     return len(data)
 
+def checkpoint_meta(meta_path, ckpt, ckpt_path):
+    """The meta.json to decode a checkpoint's tokens with (sample.py, lab/harness.py): --meta, else
+    data/<dataset>/meta.json, else the copy train.py keeps in the checkpoint. A meta.json must agree with the
+    checkpoint: other tokens would decode to nonsense."""
+    dataset, saved = ckpt.get('dataset', '?'), ckpt.get('meta') or {}
+    path = meta_path or os.path.join('data', dataset)
+    if not meta_path and not os.path.isfile(os.path.join(path, 'meta.json')) and 'tokenizer' in saved:
+        return {'dataset': dataset, **saved}
+    if os.path.isfile(path) and os.path.basename(path) != 'meta.json':
+        die(f"--meta={path}: give a meta.json written by prepare.py, or the folder holding it")
+    meta = load_meta(os.path.dirname(path) if os.path.basename(path) == 'meta.json' else path)  # checks it
+    differ = [k for k in ('tokenizer', 'vocab_size', 'itos') if k in saved and saved[k] != meta.get(k)]
+    model_vocab = ckpt['model_args'].get('vocab_size')
+    if differ or not isinstance(model_vocab, int) or meta['vocab_size'] > model_vocab:
+        die(f"{path} disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: meta.json has "
+            f"vocab_size {meta['vocab_size']}, the model {model_vocab}; it was trained on {dataset}); "
+            f"pass that dataset's meta.json with --meta")
+    return meta
+
+
 def open_data(data_dir, block_size):
     """meta.json and both splits' token counts, checked; dies with one line if anything does not fit."""
     meta = load_meta(data_dir)

@@ -20,7 +20,7 @@ from engine import generate
 from errors import die
 from exits import EXIT_POLICIES, KV_POLICIES, score_threshold
 from hardware import pick_device
-from prepare import get_tokenizer, load_meta
+from prepare import checkpoint_meta, get_tokenizer
 
 out_dir = 'out'              # the folder holding ckpt.pt (or a checkpoint file)
 start = '\n'                 # the prompt, or FILE:path to read it from a file
@@ -40,25 +40,6 @@ speculate = 4                # with draft_loops: tokens per draft
 meta = ''                    # a meta.json (or its folder); '' = data/<dataset>/meta.json, else the ckpt's
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, str))]
 defaults = {k: globals()[k] for k in config_keys}  # main() starts every call from these
-
-
-def tokenizer_meta(meta_path, ckpt, ckpt_path):
-    """The meta.json to decode with: --meta, else data/<dataset>/meta.json, else the copy train.py keeps in
-    the checkpoint. A meta.json must agree with the checkpoint: other tokens would decode to nonsense."""
-    dataset, saved = ckpt.get('dataset', '?'), ckpt.get('meta') or {}
-    path = meta_path or os.path.join('data', dataset)
-    if not meta_path and not os.path.isfile(os.path.join(path, 'meta.json')) and 'tokenizer' in saved:
-        return {'dataset': dataset, **saved}
-    if os.path.isfile(path) and os.path.basename(path) != 'meta.json':
-        die(f"--meta={path}: give a meta.json written by prepare.py, or the folder holding it")
-    meta = load_meta(os.path.dirname(path) if os.path.basename(path) == 'meta.json' else path)  # checks it
-    differ = [k for k in ('tokenizer', 'vocab_size', 'itos') if k in saved and saved[k] != meta.get(k)]
-    model_vocab = ckpt['model_args'].get('vocab_size')
-    if differ or not isinstance(model_vocab, int) or meta['vocab_size'] > model_vocab:
-        die(f"{path} disagrees with {ckpt_path} ({', '.join(differ) or 'vocab_size'}: meta.json has "
-            f"vocab_size {meta['vocab_size']}, the model {model_vocab}; it was trained on {dataset}); "
-            f"pass that dataset's meta.json with --meta")
-    return meta
 
 
 def check(explicit, R, cfg):
@@ -106,7 +87,7 @@ def main(argv=None):
     ctx = torch.autocast(device_type=device_type, dtype=ptdtype) if device_type == 'cuda' else nullcontext()
     ckpt_path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
     ckpt = checkpoint.load(ckpt_path)  # on the CPU: the weights go to the device with the model
-    encode, decode = get_tokenizer(tokenizer_meta(meta, ckpt, ckpt_path))
+    encode, decode = get_tokenizer(checkpoint_meta(meta, ckpt, ckpt_path))
     try:
         ids = encode(prompt) or die("--start: the prompt is empty (give some text, e.g. --start='\\n')")
     except ValueError as e:

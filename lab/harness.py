@@ -27,9 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import checkpoint
 from engine import generate
 from errors import Parser, die, duration, first_line
-from prepare import get_tokenizer
+from prepare import checkpoint_meta, get_tokenizer
 from hardware import pick_device
-from sample import tokenizer_meta
 
 try:
     import lm_eval
@@ -51,7 +50,7 @@ class NanoLoop(LM):
         super().__init__()
         path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
         ckpt = checkpoint.load(path)
-        meta = tokenizer_meta(meta, ckpt, path)  # as sample.py finds it
+        meta = checkpoint_meta(meta, ckpt, path)  # as sample.py finds it
         self.encode, self.decode = get_tokenizer(meta)
         self.chars = set(meta.get('itos') or ())
         self.stand_in = ' ' if ' ' in self.chars else (meta.get('itos') or ' ')[0]

@@ -653,7 +653,8 @@ def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(
     # middle of the second segment leaves a checkpoint at step 6; the next call resumes there (no step
     # before 6 is trained again) and ends with the same metrics as a run that was never killed
     monkeypatch.chdir(tmp_path)
-    (tmp_path / 'tiny.py').write_text(TINY.replace('eval_interval = 5', 'eval_interval = 2'), encoding='utf-8')
+    tiny = TINY.replace('eval_interval = 5', 'eval_interval = 2')
+    (tmp_path / 'tiny.py').write_text(tiny, encoding='utf-8')
     preset = dict(title='grow', laptop=tiny_config, seeds=(3,), eval_depth=True, report='matched_long',
                   lengths=(4, 8), arms=[ablate.arm(n, f'config/{n}.py', max_iters=8)
                                         for n in ('loop_rmsnorm', 'loop_raw')])
