@@ -153,9 +153,9 @@ def coerce(key, value, default, where):
     return value
 
 
-def unknown_key(key, known, where):
+def unknown_key(key, known, where, keys_at):
     near = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {near[0]}?" if near else "; see train.py's globals and GPTConfig's fields"
+    hint = f"; did you mean {near[0]}?" if near else f"; see {keys_at}"
     die(f"{where}unknown config key {key!r}{hint}")
 
 
@@ -199,7 +199,7 @@ def read_config_file(path, config):
             and not isinstance(ns[k], types.ModuleType) and not callable(ns[k])}  # skip imports, helpers
 
 
-def configure(defaults, argv):
+def configure(defaults, argv, keys_at="train.py's globals and GPTConfig's fields"):
     """Apply config files and --key=value overrides in order.
     Returns (config, explicit): the full dict, and the set of keys that a file or flag set."""
     config, explicit = dict(defaults), set()
@@ -213,7 +213,7 @@ def configure(defaults, argv):
             updates, where = read_config_file(arg, config), f"{arg}: "
         for key, value in updates.items():
             if key not in defaults:
-                unknown_key(key, defaults, '' if where == '--' else where)
+                unknown_key(key, defaults, '' if where == '--' else where, keys_at)
             config[key] = coerce(key, value, defaults[key], where)
             explicit.add(key)
     return config, explicit

@@ -72,7 +72,8 @@ def check(explicit, R, cfg):
 
 
 def main(argv=None):
-    config, explicit = configurator.configure(defaults, sys.argv[1:] if argv is None else argv)
+    config, explicit = configurator.configure(defaults, sys.argv[1:] if argv is None else argv,
+                                               keys_at="sample.py's globals")
     globals().update(config)  # the flags, as nanoGPT's configurator sets them
     try:  # the prompt before the (slow) checkpoint load: a typo in its path fails at once
         prompt = open(start[5:], encoding='utf-8').read() if start.startswith('FILE:') else start
