@@ -106,9 +106,7 @@ class GPTConfig:
     @property
     def eps(self):
         # §3 (Wang et al.): h <- h + eps f(h) with eps = lambda / (R sqrt K); 1 when off
-        if self.loop_lambda == 0:
-            return 1.0
-        return self.loop_lambda / (self.n_loop * math.sqrt(self.n_layer))
+        return self.loop_lambda / (self.n_loop * math.sqrt(self.n_layer)) if self.loop_lambda else 1.0
 
 
 def make_norm(kind, n_embd):
@@ -132,7 +130,6 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = config.dropout  # on the attention weights; none after c_proj, as paper 1's code
         self.attn_impl = config.attn_impl
         self.n_head = config.n_head
-        self.n_embd = config.n_embd
 
     def qkv(self, x, rope=None):
         B, T, C = x.size()

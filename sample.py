@@ -115,15 +115,17 @@ def main(argv=None):
             seconds += time.perf_counter() - t0
             print(text + '\n---------------')
             used.append(loops.float().flatten())
-    n, used = num_samples * max_new_tokens, torch.cat(used)
+    print(summary(num_samples * max_new_tokens, torch.cat(used), seconds, R, adaptive, stats))
+
+
+def summary(n, used, seconds, R, adaptive, stats):
+    # every mode prints its speed: plain fixed-depth decoding is the baseline of the others
     depth = (f"mean loops used per token: {used.mean():.2f} of {R} (min {used.min():.0f}, "
              f"max {used.max():.0f}, {used.numel()} tokens); ") if adaptive and n else ""
-    drafts = (f", {stats['accepted']} of {stats['checked']} drafts accepted "
-              f"({stats['accepted'] / stats['checked']:.0%})") if k and stats['checked'] else ""
-    # every mode prints its speed: plain fixed-depth decoding is the baseline of the others
-    print(f"{depth}{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
-          + ("" if depth else f", {R} loops per token") + drafts)
-
+    ok, checked = stats.get('accepted', 0), stats.get('checked', 0)
+    drafts = f", {ok} of {checked} drafts accepted ({ok / checked:.0%})" if draft_loops and checked else ""
+    return (f"{depth}{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
+            + ("" if depth else f", {R} loops per token") + drafts)
 
 if __name__ == '__main__':
     main()

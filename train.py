@@ -84,8 +84,7 @@ dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 whe
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337                      # weights, dropout, data order and sampled depths follow from it
 # -----------------------------------------------------------------------------
-# the training keys are the plain values above; the model keys come from GPTConfig. The config:
-# config files, then --key=value, over a resumed run's checkpoint config (init_from), all checked
+# the training keys above and GPTConfig's: config files, then --key=value, over a resumed run's config
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
 defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
@@ -141,7 +140,7 @@ if master_process:
 # data
 
 data_dir = os.path.join('data', dataset)
-if dataset in ('shakespeare_char', 'shakespeare') and not os.path.exists(os.path.join(data_dir, 'meta.json')):
+if dataset in ('shakespeare_char', 'shakespeare') and not os.path.exists(f'{data_dir}/meta.json'):
     if master_process:  # the other ranks wait at the barrier (torchrun ends them if this one fails)
         print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
         import prepare  # downloads tinyshakespeare once; offline, it says what to run instead
@@ -180,10 +179,9 @@ if ckpt is not None:
     checkpoint.load_weights(model, ckpt['model'], ckpt_path)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if master_process:
-    cfg = model.config
-    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M (K={cfg.n_layer} layers looped "
-          f"R={cfg.n_loop} times, N={cfg.n_unrolled} unrolled)")
+if master_process:  # once, not once per rank
+    print(f"number of parameters: {model.get_num_params() / 1e6:.2f}M (K={model.config.n_layer} layers "
+          f"looped R={model.config.n_loop} times, N={model.config.n_unrolled} unrolled)")
 iter_num, best_val_loss, bad_total = 0, float('inf'), 0
 evaluated_at = None  # the iteration a resumed checkpoint was evaluated and logged at: not again
 train_gen = torch.Generator().manual_seed(data_seed)  # this rank's training batches
