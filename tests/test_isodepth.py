@@ -175,7 +175,8 @@ def test_without_a_budget_column_runs_of_one_6ND_budget_share_a_cell():
 
 
 def cli(*args, cwd):
-    r = subprocess.run([sys.executable, str(isodepth.__file__), *args], cwd=cwd, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(isodepth.__file__), *args], cwd=cwd, capture_output=True,
+                       text=True)
     return r.returncode, r.stdout, r.stderr
 
 
