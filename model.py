@@ -459,10 +459,10 @@ class GPT(nn.Module):
 
 
 def param_counts(model):
-    # (N_once, N_rec) as the iso-depth scaling law counts them (docs/papers.md §3): N_once the blocks
+    # (N_once, N_rec) as the iso-depth scaling law counts them (docs/isodepth.md): N_once the blocks
     # run once (prelude, coda) and the norms outside the loop, N_rec the K shared blocks, the inter-loop
-    # norm and the concat adapter (2 C^2, it runs with every loop). The embedding, positions, LM head and
-    # exit gate are in neither: N is the law's non-embedding count
+    # norm and the concat adapter (2 C^2, which the paper counts with the looped block). The embedding,
+    # positions, LM head and exit gate are in neither: N is the law's non-embedding count
     t = model.transformer
     n = lambda *parts: sum(p.numel() for part in parts for p in part.parameters())
     loop_norm = () if t.ln_loop is t.ln_out else (t.ln_loop,)  # 'readout': the readout norm, once

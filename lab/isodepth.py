@@ -66,22 +66,21 @@ def read_runs(path):
     if not os.path.isfile(path):
         die(f"--fit {path}: no such file")
     with open(path, newline='', encoding='utf-8') as f:
-        rows = list(csv.DictReader(f))
-    header = list(rows[0]) if rows else []
+        reader = csv.DictReader(f)
+        rows, header = list(reader), reader.fieldnames or []
     missing = [c for c in COLUMNS if c not in header]
     if missing:
         die(f"--fit {path}: missing column(s) {', '.join(missing)}; expected {','.join(COLUMNS)}[,budget]")
-    cols = [*COLUMNS, *(['budget'] if 'budget' in header else [])]
     runs = {}
-    for c in cols:
-        try:
-            runs[c] = np.array([float(row[c]) for row in rows])
-        except (TypeError, ValueError):
-            die(f"--fit {path}: column {c} holds a value that is not a number")
-        bad = np.flatnonzero(~(runs[c] > 0) | ~np.isfinite(runs[c]))
-        if len(bad):
-            die(f"--fit {path}: {c} = {rows[bad[0]][c]} on line {bad[0] + 2}: every "
-                f"{c} must be a positive number")
+    for c in [*COLUMNS, *(['budget'] if 'budget' in header else [])]:
+        for line, row in enumerate(rows, start=2):  # line 1 is the header
+            try:
+                value = float(row[c])
+            except (TypeError, ValueError):
+                value = None
+            if value is None or not (value > 0 and math.isfinite(value)):
+                die(f"--fit {path}: {c} = {row[c]} on line {line}: every {c} must be a positive number")
+        runs[c] = np.array([float(row[c]) for row in rows])
     return runs
 
 

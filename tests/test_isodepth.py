@@ -142,12 +142,15 @@ def test_24_runs_at_two_budgets_are_reported_not_identified():
     assert not res['identified'] and res['phi'] is None and res['degenerate_resamples'] > 0
 
 
-@pytest.mark.parametrize('keep,why', ids=['one_budget', 'one_r', 'eight_runs', 'four_cells'], argvalues=[
-    (lambda g: g[:, 4] == BUDGETS[0], 'every run is at one FLOP budget'),
-    (lambda g: g[:, 2] == 4, 'every run has r = 4'),
-    (lambda g: (g[:, 4] != BUDGETS[1]) & np.isin(g[:, 2], (1, 8)) & (g[:, 0] < 1e7), "8 runs"),
-    (lambda g: (g[:, 4] != BUDGETS[1]) & np.isin(g[:, 2], (1, 8)), '4 (budget, r) cells'),
-])
+UNIDENTIFIED = {  # a part of the grid -> why it cannot identify phi
+    'one_budget': (lambda g: g[:, 4] == BUDGETS[0], 'every run is at one FLOP budget'),
+    'one_r': (lambda g: g[:, 2] == 4, 'every run has r = 4'),
+    'eight_runs': (lambda g: (g[:, 4] != BUDGETS[1]) & np.isin(g[:, 2], (1, 8)) & (g[:, 0] < 1e7), '8 runs'),
+    'four_cells': (lambda g: (g[:, 4] != BUDGETS[1]) & np.isin(g[:, 2], (1, 8)), '4 (budget, r) cells'),
+}
+
+
+@pytest.mark.parametrize('keep,why', UNIDENTIFIED.values(), ids=UNIDENTIFIED.keys())
 def test_designs_that_cannot_identify_phi_stop_with_one_line(keep, why, capsys):
     runs = draw(0.46, keep=keep)
     assert why in isodepth.not_identified(runs)
@@ -199,12 +202,22 @@ def test_fit_cli_prints_phi_and_writes_it_with_its_ci_as_json(tmp_path):
     assert f"phi = {res['phi']:.3f}, 95 % CI [{lo:.3f}, {hi:.3f}]" in out and 'phi=1' in out
 
 
-@pytest.mark.parametrize('edit,why', ids=['no_loss', 'zero_tokens', 'nan_loss', 'text'], argvalues=[
-    (lambda rows: [r[:4] + r[5:] for r in rows], 'missing column(s) loss'),
-    (lambda rows: rows[:3] + [rows[3][:3] + ['0'] + rows[3][4:]] + rows[4:], 'tokens = 0 on line 4'),
-    (lambda rows: rows[:2] + [rows[2][:4] + ['nan'] + rows[2][5:]] + rows[3:], 'loss = nan on line 3'),
-    (lambda rows: rows[:2] + [rows[2][:4] + ['low'] + rows[2][5:]] + rows[3:], 'not a number'),
-])
+def put(rows, line, column, value):
+    # rows of a CSV, header first, with one field replaced; line counts from 1 (the header), as errors do
+    i, j = line - 1, rows[0].index(column)
+    return rows[:i] + [rows[i][:j] + [value] + rows[i][j + 1:]] + rows[i + 1:]
+
+
+BAD_TABLES = {  # the rows of a good CSV -> a bad one, and what the error says
+    'no_loss': (lambda rows: [r[:4] + r[5:] for r in rows], 'missing column(s) loss'),
+    'zero_tokens': (lambda rows: put(rows, 4, 'tokens', '0'), 'tokens = 0 on line 4'),
+    'nan_loss': (lambda rows: put(rows, 3, 'loss', 'nan'), 'loss = nan on line 3'),
+    'text': (lambda rows: put(rows, 3, 'loss', 'low'), 'loss = low on line 3'),
+    'no_runs': (lambda rows: rows[:1], '0 runs: the law has 6 free parameters'),
+}
+
+
+@pytest.mark.parametrize('edit,why', BAD_TABLES.values(), ids=BAD_TABLES.keys())
 def test_a_bad_table_stops_with_one_line(tmp_path, edit, why, capsys):
     path = write_csv(tmp_path / 'runs.csv', draw(0.46))
     with open(path, encoding='utf-8') as f:
