@@ -23,7 +23,7 @@ the best of them kept: Chinchilla's "approach 3" with phi added. The same fit wi
 says how much the free phi buys. The CI of phi is the percentile interval of --resamples bootstrap refits
 over the (budget, r) cells: whole cells are resampled, not rows, since the runs of a cell share their
 training recipe and their errors. Each refit starts from the full fit's optimum and --boot_starts random
-points. phi is reported "not identified" when that CI is wider than PHI_CI_WIDTH.
+points. phi is reported "not identified" when that CI is wider than 0.5 (PHI_CI_WIDTH).
 
 The sweep that produces such a table (the paper's grid through lab/ablate.py's runners) is not built yet;
 `python lab/isodepth.py` without --fit says so.
