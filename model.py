@@ -455,6 +455,18 @@ class GPT(nn.Module):
 # accounting, as in nanoGPT
 
 
+def param_counts(model):
+    # (N_once, N_rec) as the iso-depth scaling law counts them (docs/isodepth.md): N_once the blocks
+    # run once (prelude, coda) and the norms outside the loop, N_rec the K shared blocks, the inter-loop
+    # norm and the concat adapter (2 C^2, which the paper counts with the looped block). The embedding,
+    # positions, LM head and exit gate are in neither: N is the law's non-embedding count
+    t = model.transformer
+    n = lambda *parts: sum(p.numel() for part in parts for p in part.parameters())
+    loop_norm = () if t.ln_loop is t.ln_out else (t.ln_loop,)  # 'readout': the readout norm, once
+    rec = (t.h, *loop_norm, *((t.adapter,) if model.config.injection == 'concat' else ()))
+    return n(t.prelude, t.coda, t.ln_emb, t.ln_out), n(*rec)
+
+
 def flops_per_token(model, T=None, n_loop=None):
     # training flops per token: forward + backward = 6 per weight use (PaLM appendix B)
     cfg = model.config
@@ -462,14 +474,18 @@ def flops_per_token(model, T=None, n_loop=None):
     R = cfg.n_loop if n_loop is None else n_loop
     n_params = lambda blocks: sum(p.numel() for p in blocks.parameters())
     n_exits = sum(w > 0 for w in model.exit_weights(R))
+    # truncated backprop (§4): loops 1..R-b build no graph, so they cost the forward pass only,
+    # 2 flops per weight use and a third of the attention's 12 C T (the adapter before loop k is loop k's)
+    free = R - cfg.backprop_loops if 0 < cfg.backprop_loops < R else 0
     # the K layers run every loop, the coda and head at every supervised exit, the prelude
     # once, the injection adapter before every loop after the first
-    adapter = 2 * cfg.n_embd ** 2 * (R - 1) if cfg.injection == 'concat' else 0
+    adapter = 2 * cfg.n_embd ** 2 if cfg.injection == 'concat' else 0
     head = n_params(model.transformer.coda) + cfg.vocab_size * cfg.n_embd
-    weights = n_params(model.transformer.h) * R + n_params(model.transformer.prelude)
-    visits = cfg.n_layer * R + cfg.n_prelude + cfg.n_coda * n_exits
-    attn = 12 * visits * cfg.n_embd * T  # QK^T and AV of every visit
-    return 6 * (weights + adapter + head * n_exits) + attn
+    loops = lambda n: n_params(model.transformer.h) * n + adapter * max(n - 1, 0)  # weights of loops 1..n
+    weights = loops(R) - loops(free) + n_params(model.transformer.prelude)
+    visits = cfg.n_layer * (R - free) + cfg.n_prelude + cfg.n_coda * n_exits
+    attn = 12 * visits * cfg.n_embd * T + 4 * cfg.n_layer * free * cfg.n_embd * T  # QK^T and AV per visit
+    return 6 * (weights + head * n_exits) + 2 * loops(free) + attn
 
 
 def estimate_mfu(model, fwdbwd_per_iter, dt, peak=None, T=None):
