@@ -610,17 +610,25 @@ def versus_baseline(runs, variants, Rs, lrs):
 def at_best_lr(runs, variants, Rs, lrs):
     """Each variant at its own best LR per R (the lowest mean final loss over seeds), and its difference from
     the baseline at the baseline's best LR: the comparison that does not favour either block's LR."""
-    def best(v, R):  # (lowest mean loss, its lr), or (None, None) when no run of the cell finished
+    def best(v, R):  # (lowest mean loss, its lr, at the grid's edge?), (None,) * 3 when no run finished
         means = [(mean([final_loss(r) for r in runs_of(runs, variant=v, R=R, lr=lr)]), lr) for lr in lrs]
-        return min(((m, lr) for m, lr in means if m is not None), default=(None, None))
-    lines = [f"Each variant at its best LR (mean over seeds), and minus {variants[0]} at its best LR:", "",
+        means = [(m, lr) for m, lr in means if m is not None]
+        if not means:
+            return None, None, None
+        m, lr = min(means)
+        # an optimum at the lowest or highest LR tried may lie beyond the grid: no verdict rests on it
+        return m, lr, lr in (means[0][1], means[-1][1])
+    lines = [f"Each variant at its best LR (mean over seeds), and minus {variants[0]} at its best LR; "
+             "*edge*: the best LR is the lowest or highest tried, so the optimum may lie outside the grid "
+             "and no verdict rests on that cell:", "",
              "| variant | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]
     for v in variants:
         cells = []
         for R in Rs:
-            (m, lr), (m0, _) = best(v, R), best(variants[0], R)
+            (m, lr, edge), (m0, _, _) = best(v, R), best(variants[0], R)
             diff = '' if v == variants[0] or None in (m, m0) else f", {fmt(m - m0, '+.3f')}"
-            cells.append(f"{fmt(m, '.3f')} (lr {lr:g}){diff}" if m is not None else 'n/a')
+            at = f"lr {lr:g}, *edge*" if edge else f"lr {lr:g}"
+            cells.append(f"{fmt(m, '.3f')} ({at}){diff}" if m is not None else 'n/a')
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return lines + [""]
 

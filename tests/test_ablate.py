@@ -612,14 +612,15 @@ def test_deeploop_comparison_is_paired_by_seed_against_the_baseline():
     assert '| p05 | 2.075 ± 0.247, -0.025 (1/2) |' in md
 
 
-def test_best_lr_comparison_takes_each_variants_own_best_lr():
+def test_best_lr_comparison_takes_each_variants_own_best_lr_and_marks_optima_at_the_grids_edge():
     def run(v, lr, seed, loss):
         return dict(seed=seed, arm=dict(tags=dict(variant=v, R=1, lr=lr)), status=dict(train='done'),
                     rows=[dict(val_loss=loss)])
-    runs = [run('preln', 1e-3, 1, 2.0), run('preln', 3e-3, 1, 2.3), run('p05', 1e-3, 1, 2.4),
-            run('p05', 3e-3, 1, 2.1)]
-    md = '\n'.join(reports.at_best_lr(runs, ['preln', 'p05'], [1], [1e-3, 3e-3]))
-    assert '| preln | 2.000 (lr 0.001) |' in md and '| p05 | 2.100 (lr 0.003), +0.100 |' in md
+    # preln's best (1e-3) has a worse LR on either side; p05's best is the highest LR it tried
+    runs = [run('preln', 3e-4, 1, 2.2), run('preln', 1e-3, 1, 2.0), run('preln', 3e-3, 1, 2.3),
+            run('p05', 1e-3, 1, 2.4), run('p05', 3e-3, 1, 2.1)]
+    md = '\n'.join(reports.at_best_lr(runs, ['preln', 'p05'], [1], [3e-4, 1e-3, 3e-3]))
+    assert '| preln | 2.000 (lr 0.001) |' in md and '| p05 | 2.100 (lr 0.003, *edge*), +0.100 |' in md
 
 
 def test_escape_r7_is_the_escape_sweep_at_seven_loops():
