@@ -39,10 +39,11 @@ MODEL_CHOICES = dict(
     adapter_init=('identity', 'default'),
     loop_sampling=('fixed', 'poisson_lognormal'),
     exit_gate=('none', 'learned'),
+    moe_where=('loop', 'all'),
 )
 # the integer keys and their least value
 INT_KEYS = dict(block_size=1, vocab_size=1, n_layer=1, n_loop=1, n_head=1, n_embd=1,
-                n_prelude=0, n_coda=0, max_loop=0, backprop_loops=0)
+                n_prelude=0, n_coda=0, max_loop=0, backprop_loops=0, n_expert=0, top_k=1, expert_hidden=0)
 
 
 def require(ok, msg):
@@ -61,7 +62,8 @@ def check_model(cfg):
         value = getattr(cfg, key)
         require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
                 f"{key}={value!r}: must be an integer >= {low}")
-    for key in ('dropout', 'norm_penalty', 'loop_lambda', 'exit_entropy', 'embd_std'):
+    for key in ('dropout', 'norm_penalty', 'loop_lambda', 'exit_entropy', 'embd_std', 'aux_loss_coef',
+                'z_loss_coef'):
         value = getattr(cfg, key)
         require(math.isfinite(value), f"{key}={value!r}: must be a finite number")
     require(cfg.n_embd % cfg.n_head == 0,
@@ -90,6 +92,14 @@ def check_model(cfg):
             f"inter_loop_norm='readout' feeds the readout norm back: it needs readout='rmsnorm' or "
             f"'layernorm', not {cfg.readout!r}")
     require(cfg.exit_entropy >= 0, f"exit_entropy={cfg.exit_entropy!r}: must be >= 0")
+    # Looped-MoE (§5)
+    require(cfg.n_expert != 1, "n_expert=1 is a dense MLP with a router: use n_expert=0 (dense) or >= 2")
+    require(not cfg.n_expert or cfg.top_k <= cfg.n_expert,
+            f"top_k={cfg.top_k} exceeds n_expert={cfg.n_expert}: a token picks at most every expert")
+    require(cfg.n_expert or not cfg.tied_routing,
+            "tied_routing reuses loop 1's experts: it needs experts (n_expert >= 2)")
+    require(cfg.aux_loss_coef >= 0 and cfg.z_loss_coef >= 0,
+            f"aux_loss_coef={cfg.aux_loss_coef!r}, z_loss_coef={cfg.z_loss_coef!r}: must be >= 0")
     return cfg
 
 

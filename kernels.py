@@ -1,11 +1,12 @@
 """
-Speed kernels: the model's two costliest formulas computed fast, outside the reading path. model.py
+Speed kernels: the model's costliest formulas computed fast, outside the reading path. model.py
 calls each where its plain formula stands in a comment; the tests check that they compute it.
 
     attention(q, k, v, causal, impl)    softmax(q k^T / sqrt(hs) + mask) v, by three paths (one result)
     LinearCrossEntropy.apply(W, y, w, zs)   sum_k w_k CE(z_k W^T, y), no (B, T, V) logits kept alive
     cross_entropy_chunked(h, W, y)      CE(h W^T, y) without grad, in row chunks (diagnostics)
     token_ce(h, W, y)                   per-token CE with a gradient, chunks recomputed in backward
+    moe(x, idx, w, c_fc, c_proj, act)   sum_j w_tj expert_j(x_t) over each token's k experts, grouped
 """
 import math
 
@@ -124,3 +125,43 @@ def token_ce(h, weight, targets):
                                         reduction='none')
     return torch.cat([checkpoint(ce, x[i:i + rows], tgt[i:i + rows], use_reentrant=False)
                       for i in range(0, x.size(0), rows)])
+
+
+def moe(x, idx, w, c_fc, c_proj, act):
+    """y_t = sum_j w_tj expert_{idx_tj}(x_t), expert_i(x) = act(x c_fc[i]) c_proj[i]; x (N, C), idx and
+    w (N, k), c_fc (E, C, F), c_proj (E, H, C). The N k (token, expert) pairs are sorted by expert, so that
+    each expert's rows are one block of a grouped matmul, then added back to their tokens. Equal to
+    moe_loop below (the tests), without its E boolean scans of the routing."""
+    N, k = idx.shape
+    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x, c_fc, c_proj = x.to(dt), c_fc.to(dt), c_proj.to(dt)  # grouped_mm is not autocast: cast by hand
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)                   # the pairs grouped by expert
+    tok = order // k                                    # each pair's token
+    counts = torch.bincount(flat, minlength=c_fc.size(0))
+    xs = x[tok]                                         # (N k, C)
+    if grouped_mm_runs(xs, c_fc, c_proj):
+        offs = counts.cumsum(0).to(torch.int32)         # where each expert's rows end
+        h = F.grouped_mm(act(F.grouped_mm(xs, c_fc, offs=offs)), c_proj, offs=offs)
+    else:  # one matmul pair per expert, over its contiguous rows
+        h = torch.cat([act(a @ c_fc[i]) @ c_proj[i] for i, a in enumerate(xs.split(counts.tolist()))])
+    return torch.zeros_like(x).index_add(0, tok, h * w.flatten()[order, None].to(dt))
+
+
+def grouped_mm_runs(xs, c_fc, c_proj):
+    # F.grouped_mm wants rows whose byte strides are multiples of 16, and on CUDA bf16 on a Hopper+ GPU
+    widths = (xs.size(-1), c_fc.size(-1), c_proj.size(-2), c_proj.size(-1))  # C, F, H, C
+    aligned = all(n * xs.element_size() % 16 == 0 for n in widths)
+    if xs.device.type == 'cuda':
+        return aligned and xs.dtype == torch.bfloat16 and torch.cuda.get_device_capability(xs.device)[0] >= 9
+    return aligned and xs.device.type == 'cpu'
+
+
+def moe_loop(x, idx, w, c_fc, c_proj, act):
+    """The readable form of moe(): for each expert, the tokens that chose it, through it, weighted, added
+    back. The reference the tests hold moe() to; E boolean scans, so slower."""
+    y = torch.zeros_like(x)
+    for i in range(c_fc.size(0)):
+        tok, slot = (idx == i).nonzero(as_tuple=True)  # the tokens that chose expert i, and in which slot
+        y = y.index_add(0, tok, w[tok, slot, None] * (act(x[tok] @ c_fc[i]) @ c_proj[i]))
+    return y

@@ -16,6 +16,7 @@ are in kernels.py; decoding (KV cache, early exits) is in engine.py and exits.py
 
 import inspect
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,14 @@ class GPTConfig:
     backprop_loops: int = 0        # gradients through the last this many loops only; 0 = all
     exit_gate: str = 'none'        # none | learned: lambda_k = sigmoid(w . z_k + b)
     exit_entropy: float = 0.0      # learned gate: minus this times the entropy of p(k) in the loss
+    # ---- §5 Looped-MoE: a mixture of experts in place of the MLP ----
+    n_expert: int = 0              # E experts per MoE layer; 0 = the dense MLP
+    top_k: int = 2                 # k experts per token (token choice, dropless)
+    expert_hidden: int = 0         # an expert's hidden width; 0 = the MLP's 4C / k (active = dense)
+    moe_where: str = 'loop'        # loop (the K shared layers) | all (prelude and coda too)
+    aux_loss_coef: float = 0.01    # weight of the load-balancing loss E sum_i f_i P_i
+    z_loss_coef: float = 0.001     # weight of the router z-loss mean(logsumexp(logits)^2)
+    tied_routing: bool = False     # loops 2..R reuse loop 1's experts, token by token
 
     @property
     def loop_cap(self):
@@ -153,6 +162,14 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
 
+def activation(x, swiglu):
+    # swiglu: x holds the gate and the up projection side by side; else nanoGPT's GELU
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(x)
+
+
 class MLP(nn.Module):
 
     def __init__(self, config):
@@ -165,13 +182,45 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        x = self.c_fc(x)
-        if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+        return self.dropout(self.c_proj(activation(self.c_fc(x), self.swiglu)))
+
+
+Route = namedtuple('Route', 'logits idx')  # one visit's routing: logits (N, E) in fp32, experts (N, k)
+
+
+class MoE(nn.Module):
+    """Looped-MoE's feed-forward (docs/papers.md §5): E MLPs ("experts") and a router; each token
+    takes its top k. Token choice and dropless (no capacity): a token's experts never depend on the
+    rest of the batch, so cached decoding routes as recompute does."""
+
+    def __init__(self, config, tied=False):
+        super().__init__()
+        E, C, k = config.n_expert, config.n_embd, config.top_k
+        H = config.expert_hidden or 4 * C // k  # k experts of 4C/k: the dense MLP's active parameters
+        self.swiglu, self.top_k, self.tied = config.mlp == 'swiglu', k, tied
+        self.router = nn.Linear(C, E, bias=False)
+        # the experts' matrices stacked (E, in, out); nn.Linear's default init for each
+        fc_out = (2 if self.swiglu else 1) * H
+        self.c_fc = nn.Parameter(torch.empty(E, C, fc_out).uniform_(-C ** -0.5, C ** -0.5))
+        self.c_proj = nn.Parameter(torch.empty(E, H, C).uniform_(-H ** -0.5, H ** -0.5))
+        self.dropout = nn.Dropout(config.dropout)
+        self.visits = []  # this pass's Route per visit, in order: a shared layer's loop k at [k - 1]
+
+    def forward(self, x):
+        B, T, C = x.size()
+        x = x.view(B * T, C)                               # (N, C): every token routes alone
+        logits = self.router(x).float()                    # (N, E), softmax over all E in fp32
+        probs = logits.softmax(dim=-1)
+        if self.tied and self.visits:  # tied routing: loop 1's experts, weights from this visit's probs
+            idx = self.visits[0].idx
         else:
-            x = F.gelu(x)
-        return self.dropout(self.c_proj(x))
+            idx = probs.topk(self.top_k, dim=-1).indices   # (N, k)
+        w = probs.gather(-1, idx)
+        w = w / w.sum(dim=-1, keepdim=True)                # the k weights renormalised
+        self.visits.append(Route(logits, idx))
+        # y_t = sum_j w_tj expert_{idx_tj}(x_t), tokens grouped by expert (kernels.py)
+        y = kernels.moe(x, idx, w, self.c_fc, self.c_proj, lambda h: activation(h, self.swiglu))
+        return self.dropout(y.view(B, T, C))
 
 
 class Block(nn.Module):
@@ -182,14 +231,14 @@ class Block(nn.Module):
     sandwich: pre_norm = Norm, post_norm = Norm        Norm(alpha x + f(Norm x)) (DeepLoop, §2)
     """
 
-    def __init__(self, config):
+    def __init__(self, config, moe=False, tied=False):
         super().__init__()
         pre, post = config.block in ('preln', 'sandwich'), config.block in ('postln', 'sandwich')
         norm = lambda on: make_norm(config.norm, config.n_embd) if on else nn.Identity()
         self.ln_1, self.ln_2 = norm(pre), norm(pre)     # pre-norms (GPT-2's names)
         self.pn_1, self.pn_2 = norm(post), norm(post)   # post-norms
         self.attn = CausalSelfAttention(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config, tied) if moe else MLP(config)  # experts where §5 puts them
         self.alpha = config.alpha       # docs/papers.md §2: alpha = (2N)^p on the skip path
         self.eps = config.eps           # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
@@ -229,16 +278,17 @@ class GPT(nn.Module):
             'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C)
         ln_loop = dict(none=nn.Identity(), readout=ln_out).get(config.inter_loop_norm) \
             or make_norm(config.inter_loop_norm, C)
-        blocks = lambda n: nn.ModuleList([Block(config) for _ in range(n)])
+        moe, everywhere = config.n_expert > 0, config.moe_where == 'all'
+        blocks = lambda n, moe, tied=False: nn.ModuleList([Block(config, moe, tied) for _ in range(n)])
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, C),
             wpe=nn.Embedding(config.block_size, C) if config.pos == 'learned' else nn.Identity(),
             drop=nn.Dropout(config.dropout),
             # DeepLoop norms the embedding, so a post-norm stack starts at RMS(x) = 1
             ln_emb=make_norm(config.norm, C) if config.block != 'preln' else nn.Identity(),
-            prelude=blocks(config.n_prelude),  # untied, run once (§4)
-            h=blocks(config.n_layer),          # the K shared layers
-            coda=blocks(config.n_coda),        # untied, run at every exit (§4)
+            prelude=blocks(config.n_prelude, moe and everywhere),  # untied, run once (§4)
+            h=blocks(config.n_layer, moe, config.tied_routing),     # the K shared layers
+            coda=blocks(config.n_coda, moe and everywhere),         # untied, at every exit (§4)
             ln_loop=ln_loop,
             ln_out=ln_out,
         ))
@@ -268,7 +318,7 @@ class GPT(nn.Module):
             # no residual scaling", docs/papers.md §2), the same at every R. Depth scaling then only
             # multiplies by beta below, so p -> 0 meets p = 0. (GPT-2's own 1/sqrt(2N) is not used.)
             for p in self.parameters():
-                if p.dim() == 2:
+                if p.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
                     nn.init.normal_(p, mean=0.0, std=0.02)
         if cfg.embd_std > 0:
             # one init's embedding scale under the other's block matrices: it splits the two (§1)
@@ -280,8 +330,10 @@ class GPT(nn.Module):
         if cfg.beta != 1.0:
             for block in (*self.transformer.prelude, *self.transformer.h, *self.transformer.coda):
                 block.attn.c_attn.weight[2 * C:] *= cfg.beta   # the W_v rows of the q|k|v matrix
-                for lin in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-                    lin.weight *= cfg.beta
+                # the MLP's matrices: a Linear's weight, or every expert's stacked (§5; not the router)
+                ffn = [getattr(m, 'weight', m) for m in (block.mlp.c_fc, block.mlp.c_proj)]
+                for w in (block.attn.c_proj.weight, *ffn):
+                    w *= cfg.beta
         if cfg.injection == 'concat' and cfg.adapter_init == 'identity':
             # docs/papers.md §3 (iso-depth): W = [I 0], so at first W [x; e] = x passes the state through
             eye = torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1)
@@ -318,7 +370,10 @@ class GPT(nn.Module):
         return x
 
     def prelude(self, idx, cache=None, pos=0):
-        # e, what loop 1 reads and injection re-feeds: the embedded tokens after the prelude (§4)
+        # e, what loop 1 reads and injection re-feeds: the embedded tokens after the prelude (§4).
+        # A pass starts here: the experts forget the last pass's routing (§5)
+        for moe in self.moe_layers():
+            moe.visits.clear()
         return self.run_untied('prelude', self.embed(idx, pos), cache, pos)
 
     def loop_input(self, h, e):
@@ -353,6 +408,9 @@ class GPT(nn.Module):
         assert isinstance(R, int) and R >= 1, f"n_loop must be an integer >= 1, got {R!r}"
         e = self.prelude(idx)
         return self.loops(e, e, range(1, R + 1))
+
+    def moe_layers(self):
+        return [m for m in self.modules() if isinstance(m, MoE)]
 
     # ---- the readout ----
     def readout_norm(self, h, k, R=None):
@@ -419,7 +477,23 @@ class GPT(nn.Module):
             loss = kernels.LinearCrossEntropy.apply(W, targets, weights, torch.stack(zs))
         if self.config.norm_penalty > 0:
             loss = loss + self.scale_penalty(states)
+        if self.config.n_expert:
+            balance, z = self.router_losses()
+            loss = loss + self.config.aux_loss_coef * balance + self.config.z_loss_coef * z
         return loss
+
+    def router_losses(self):
+        # §5: the load-balancing loss E sum_i f_i P_i (f_i: the share of token slots sent to expert i,
+        # P_i: its mean router probability) and the z-loss mean(logsumexp(logits)^2), per layer per
+        # visit, then averaged: pooled over loops, experts used by one loop each would look balanced
+        balance, z = [], []
+        for moe in self.moe_layers():
+            for logits, idx in moe.visits:
+                E = logits.size(-1)
+                f = F.one_hot(idx, E).flatten(0, -2).float().mean(0)  # (E,) over the N k slots, sums to 1
+                balance.append(E * (f * logits.softmax(-1).mean(0)).sum())
+                z.append(logits.logsumexp(-1).pow(2).mean())
+        return torch.stack(balance).mean(), torch.stack(z).mean()
 
     def forward(self, idx, targets=None, n_loop=None):
         # the logits of the last position at the final exit (B, 1, V); with targets, the loss too
@@ -472,7 +546,6 @@ def flops_per_token(model, T=None, n_loop=None):
     cfg = model.config
     T = cfg.block_size if T is None else T
     R = cfg.n_loop if n_loop is None else n_loop
-    n_params = lambda blocks: sum(p.numel() for p in blocks.parameters())
     n_exits = sum(w > 0 for w in model.exit_weights(R))
     # truncated backprop (§4): loops 1..R-b build no graph, so they cost the forward pass only,
     # 2 flops per weight use and a third of the attention's 12 C T (the adapter before loop k is loop k's)
@@ -480,12 +553,23 @@ def flops_per_token(model, T=None, n_loop=None):
     # the K layers run every loop, the coda and head at every supervised exit, the prelude
     # once, the injection adapter before every loop after the first
     adapter = 2 * cfg.n_embd ** 2 if cfg.injection == 'concat' else 0
-    head = n_params(model.transformer.coda) + cfg.vocab_size * cfg.n_embd
-    loops = lambda n: n_params(model.transformer.h) * n + adapter * max(n - 1, 0)  # weights of loops 1..n
-    weights = loops(R) - loops(free) + n_params(model.transformer.prelude)
+    # weights in use: a token's k experts of E and the router (active_params, §5)
+    head = active_params(model.transformer.coda) + cfg.vocab_size * cfg.n_embd
+    loops = lambda n: active_params(model.transformer.h) * n + adapter * max(n - 1, 0)  # loops 1..n
+    weights = loops(R) - loops(free) + active_params(model.transformer.prelude)
     visits = cfg.n_layer * (R - free) + cfg.n_prelude + cfg.n_coda * n_exits
     attn = 12 * visits * cfg.n_embd * T + 4 * cfg.n_layer * free * cfg.n_embd * T  # QK^T and AV per visit
     return 6 * (weights + head * n_exits) + 2 * loops(free) + attn
+
+
+def active_params(module):
+    # the parameters one token's forward pass uses: an MoE layer's experts count k of E (§5), its
+    # router fully. A dense module: all its parameters
+    n = sum(p.numel() for p in module.parameters())
+    for moe in (m for m in module.modules() if isinstance(m, MoE)):
+        E = moe.c_fc.size(0)
+        n -= (moe.c_fc.numel() + moe.c_proj.numel()) * (E - moe.top_k) // E
+    return n
 
 
 def estimate_mfu(model, fwdbwd_per_iter, dt, peak=None, T=None):

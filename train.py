@@ -223,16 +223,21 @@ def estimate_loss():
     for i, split in enumerate(('train', 'val')):
         gen = torch.Generator().manual_seed(data_seed + 1 + i)
         stats = torch.zeros(2, raw_model.config.n_loop, device=device)  # CE, ||h_k|| per loop
+        moe = torch.zeros(2, device=device)  # Looped-MoE's balance and z-loss terms (§5), if any
         for _ in range(eval_iters):
             X, Y = get_batch(split, gen)
             with ctx:
                 ce, norms = raw_model.exit_metrics(X, Y)
+                if raw_model.config.n_expert:  # the routing of the pass exit_metrics just ran
+                    moe += torch.stack(raw_model.router_losses()).float()
             stats += torch.stack([ce.float(), norms.float()])
-        stats /= eval_iters
-        if ddp:
-            dist.all_reduce(stats)  # every rank's batches count, not only rank 0's
-            stats /= world_size
+        stats, moe = stats / eval_iters, moe / eval_iters
+        if ddp:  # every rank's batches count, not only rank 0's
+            for t in (stats, moe):
+                dist.all_reduce(t)
+                t /= world_size
         out[split + '_ce'], out[split + '_norm'] = stats.tolist()
+        out[split + '_moe'] = moe.tolist()
     raw_model.train()
     return out
 
@@ -264,6 +269,10 @@ def log_eval(it, losses, lr):
            'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
            'tokens': it * tokens_per_iter, 'bad_steps': bad_steps.total,
            'time': round(time.time() - t_start, 3)}
+    if raw_model.config.n_expert:
+        row['moe_balance'], row['moe_z'] = losses['val_moe']
+        print(f"  MoE        balance {row['moe_balance']:.4f}, z-loss {row['moe_z']:.3f}   (val; mean over layers "
+              f"and visits; balance 1 = uniform load)")
     if log_kappa:  # kappa_R of the loss on one fixed training batch, mean over the shared matrices
         X, Y = get_batch('train', torch.Generator().manual_seed(seed + 1))
         row['kappa'] = ops.mean_kappa(raw_model, X, Y, ctx)

@@ -16,6 +16,7 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
     python lab/ablate.py escape      # paper 2's p-sweep: runs that leave the unigram floor, R = 3, 5 seeds
     python lab/ablate.py escape_r7   # the same at R = 7, where the laptop model's small exponents fail
     python lab/ablate.py lr_transfer # loop-scaled residuals (§3): best LR per R with and without eps
+    python lab/ablate.py moe         # Looped-MoE (§5): dense/MoE x unique/looped + tied routing, 3 seeds
     python lab/ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python lab/ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --max_iters=100
 
@@ -185,6 +186,21 @@ PRESETS['matched_long'] = dict(
           "10,000 steps",
     arms=[arm(n, f'config/{n}.py', max_iters=10_000, eval_interval=50)
           for n in ('loop_rmsnorm', 'loop_raw', 'loop_final_only', 'loop_penalty')])
+# Looped-MoE (docs/papers.md §5): dense and MoE, unique (8 layers) and looped (2 layers x 4 loops), at
+# matched active parameters per token (an expert is 4C/k wide) and the same FLOPs per token, on DeepLoop's
+# laptop base with the paper's SwiGLU; each run then read out at every boundary of 2 layers (lab/moe.py)
+MOE = dict(mlp='swiglu', max_iters=1000, eval_interval=100, learning_rate=1e-3)
+EXPERTS = dict(n_expert=8, top_k=2)  # the paper's top-2 of 8
+PRESETS['moe'] = dict(
+    title="Looped-MoE: dense vs top-2-of-8 experts, unique vs looped, and tied routing, at matched active "
+          "compute",
+    laptop='config/laptop_deeploop.py', seeds=(1, 2, 3), eval_depth='moe.py', report='moe',
+    eval_args=['--boundary=2'],
+    arms=[arm('dense_unique', n_layer=8, n_loop=1, **MOE),
+          arm('moe_unique', n_layer=8, n_loop=1, **EXPERTS, **MOE),
+          arm('dense_looped', n_layer=2, n_loop=4, **MOE),
+          arm('looped_moe', n_layer=2, n_loop=4, **EXPERTS, **MOE),
+          arm('looped_moe_tied', n_layer=2, n_loop=4, tied_routing=True, **EXPERTS, **MOE)])
 # the blind-spot pair under GPT-2's init, where the order of the norms flips (three seeds)
 PRESETS['init_gpt2'] = dict(
     title="Paper 1 under init=gpt2: per-loop RMSNorm vs raw readout, three seeds",
@@ -349,10 +365,12 @@ def train(job, launcher, popen_kwargs, max_iters=None):
                 train_seconds=round(time.time() - t0, 1), error=None if finished else last_line(log_path))
 
 
-def evaluate(run_dir, eval_args, popen_kwargs):
-    """eval_depth.py on a run's checkpoint; returns the status keys it sets."""
+def evaluate(run_dir, eval_args, popen_kwargs, script=True):
+    """eval_depth.py (or the preset's own evaluator, a script of lab/) on a run's checkpoint; returns the
+    status keys it sets."""
     t0 = time.time()
-    cmd = [sys.executable, os.path.join(LAB, 'eval_depth.py'), run_dir] + eval_args
+    script = script if isinstance(script, str) else 'eval_depth.py'
+    cmd = [sys.executable, os.path.join(LAB, script), run_dir] + eval_args
     rc = call_logged(cmd, os.path.join(run_dir, 'eval.log'), 'w', popen_kwargs)
     return dict(eval='done' if rc == 0 else 'failed', eval_seconds=round(time.time() - t0, 1))
 
@@ -410,7 +428,7 @@ def run_job(job, launcher, do_eval, eval_args, popen_kwargs, reeval=False):
         status, worked = train(job, launcher, popen_kwargs), True
         write_status(run_dir, status)
     if wants_eval(run_dir, status, do_eval, reeval):
-        status.update(evaluate(run_dir, eval_args, popen_kwargs))
+        status.update(evaluate(run_dir, eval_args, popen_kwargs, do_eval))
         write_status(run_dir, status)
         worked = True
     return status, worked

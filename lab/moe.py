@@ -1,0 +1,235 @@
+r"""
+Looped-MoE's sweep (docs/papers.md §5): the evaluation of one run and the report of the preset.
+
+    python lab/ablate.py moe                       # 5 arms x 3 seeds, then this report in assets/moe.md
+    python lab/moe.py out-ablate-moe/looped_moe-s1 # one run: CE at every loop boundary, routing vs chance
+
+One run's evaluation (<run>/moe_eval.json) holds the val CE at every *boundary*: after each loop of a looped
+model, and after the same number of layers (--boundary, the looped arms' K) of a unique one, read out by
+the same readout norm and head (the paper's early-exit claim: loop boundaries against a standard model's
+intermediate layers). For a looped model with experts it holds the routing divergence between its loops
+too (lab/routing.py: overlap of the top-k sets against independent routing, kappa, JS, distinct experts).
+
+The report's verdicts, each computed from the runs, paired by seed:
+  (a) experts close dense looping's gap: CE(dense_looped) - CE(looped_moe) over CE(dense_looped) -
+      CE(dense_unique), the share of the gap closed (>= 1: reversed)
+  (b) loop boundaries are better exits: looped_moe's CE below dense_unique's at every inner boundary
+  (c) routing diverges more than chance: kappa < 0 in every layer and pair of loops (> 0: agrees more)
+  (d) tied routing loses what the experts gained: looped_moe_tied keeps under half the gain of (a)
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+LAB = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, LAB)
+import checkpoint
+import kernels
+from errors import Parser, die
+from eval_depth import cpu_threads, val_windows
+from prepare import load_meta
+from reports import fmt, mean, plt_or_none, read_json, save, std, verdict_block
+from routing import collect, divergence
+
+ARMS = ('dense_unique', 'moe_unique', 'dense_looped', 'looped_moe', 'looped_moe_tied')
+
+# -----------------------------------------------------------------------------
+# one run
+
+
+@torch.no_grad()
+def boundary_ce(model, X, Y, K):
+    """The CE (n_boundaries,) of X -> Y at every boundary: each loop's exit of a looped model; after every
+    K layers of a unique one (n_loop = 1), through the same readout norm and head."""
+    if model.config.n_loop > 1:
+        return model.exit_metrics(X, Y)[0]
+    x, ces, W = model.prelude(X), [], model.lm_head.weight
+    rope = model.rope(0, X.size(1))
+    for j, block in enumerate(model.transformer.h, start=1):
+        x = block(x, rope)
+        if j % K == 0:
+            ces.append(kernels.cross_entropy_chunked(model.head_input(x, 1, R=1), W, Y))
+    return torch.stack(ces)
+
+
+def evaluate(model, X, Y, K, batch_size):
+    cfg = model.config
+    ces = [boundary_ce(model, X[i:i + batch_size], Y[i:i + batch_size], K)
+           for i in range(0, X.size(0), batch_size)]
+    res = dict(boundary_ce=torch.stack(ces).mean(0).tolist(), K=K, tokens=X.numel())
+    if cfg.n_expert and cfg.n_loop > 1:  # routing between loops: the shared layers' visits
+        res['routing'] = divergence(collect(model, X, batch_size), cfg.n_expert, cfg.top_k)
+    return res
+
+
+def pairs_of(e):
+    """(layer, loop a, loop b, its routing metrics) of one run's moe_eval.json."""
+    return [(L['layer'], *p['loops'], p) for L in e.get('routing', {}).get('layers', []) for p in L['pairs']]
+
+
+def main(argv=None):
+    ap = Parser('lab/moe.py', __doc__)
+    ap.add_argument('out_dir', help='a folder holding ckpt.pt')
+    ap.add_argument('--boundary', type=int, default=0, help="a unique model's layers per boundary "
+                    "(the looped arms' K); 0 = the model's own n_layer")
+    ap.add_argument('--n_seqs', type=int, default=256, help='validation windows')
+    ap.add_argument('--batch_size', type=int, default=32)
+    ap.add_argument('--json', default=None, help='output file; default <out_dir>/moe_eval.json')
+    args = ap.parse_args(argv)
+    torch.set_num_threads(cpu_threads())
+    path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not os.path.isfile(path):
+        die(f"checkpoint {path} not found: pass the folder holding ckpt.pt (python lab/moe.py OUT_DIR)")
+    ckpt = checkpoint.load(path)
+    model = checkpoint.build_model(ckpt).eval()
+    K = args.boundary or model.config.n_layer
+    if model.config.n_loop == 1 and model.config.n_layer % K:
+        die(f"--boundary={K} does not divide the model's {model.config.n_layer} layers")
+    data_dir = os.path.join('data', ckpt.get('dataset', ''))
+    X, Y = val_windows(data_dir, load_meta(data_dir), model.config.block_size, args.n_seqs)
+    res = dict(evaluate(model, X, Y, K, args.batch_size), iter_num=ckpt.get('iter_num'))
+    print(f"{path}: val CE at each boundary " + ' '.join(f"{c:.4f}" for c in res['boundary_ce']))
+    for j, a, b, p in pairs_of(res):
+        print(f"  layer {j} loops {a}-{b}: kappa {fmt(p['kappa'], '+.3f')}, disjoint {p['overlap'][0]:.3f} "
+              f"(chance {p['chance'][0]:.3f})")
+    out = args.json or os.path.join(args.out_dir, 'moe_eval.json')
+    with open(out + '.tmp', 'w', encoding='utf-8') as f:
+        json.dump(res, f, indent=1)
+    os.replace(out + '.tmp', out)
+    print(f"wrote {out}")
+
+# -----------------------------------------------------------------------------
+# the report
+
+
+def runs_of(arms):
+    """{arm: {seed: moe_eval.json}} of the runs evaluated."""
+    return {name: {r['seed']: e for r in runs
+                   if (e := read_json(os.path.join(r['out_dir'], 'moe_eval.json')))}
+            for name, runs in arms.items()}
+
+
+def paired(ev, f, *names):
+    """f(evals of names...) per seed that every arm of names has."""
+    seeds = sorted(set.intersection(*(set(ev.get(n, {})) for n in names))) if names else []
+    return [f(*(ev[n][s] for n in names)) for s in seeds]
+
+
+def verdict(values, every, mean_ok, how):
+    # the project's vocabulary: every seed -> reproduces, the mean only -> direction only
+    if not values:
+        return 'not tested', 0, how
+    word = 'reproduces' if all(map(every, values)) else 'direction only' if mean_ok(mean(values)) \
+        else 'does not reproduce'
+    return word, len(values), how
+
+
+def verdicts(ev):
+    final = lambda e: e['boundary_ce'][-1]
+    gap = paired(ev, lambda u, d, m: (final(d) - final(m)) / (final(d) - final(u)),
+                 'dense_unique', 'dense_looped', 'looped_moe')
+    exits = paired(ev, lambda u, m: max(cm - cu for cm, cu in zip(m['boundary_ce'][:-1], u['boundary_ce'][:-1])),
+                   'dense_unique', 'looped_moe')
+    kappas = [[p['kappa'] for *_, p in pairs_of(e) if p['kappa'] is not None]
+              for e in ev.get('looped_moe', {}).values()]
+    kappa_max, kappa_min = [max(k) for k in kappas if k], [min(k) for k in kappas if k]
+    tied = paired(ev, lambda d, m, t: (final(d) - final(t)) / (final(d) - final(m)),
+                  'dense_looped', 'looped_moe', 'looped_moe_tied')
+    out = [('experts close dense looping\'s gap to the unique model',
+            *verdict(gap, lambda f: f >= 0.5, lambda f: f > 0,
+                     "computed: the share of CE(dense_looped) - CE(dense_unique) that looped_moe closes, "
+                     "per seed, >= 0.5 in every seed (>= 1: reversed)")),
+           ('loop boundaries are better exits',
+            *verdict(exits, lambda x: x < 0, lambda x: x < 0,
+                     "computed: looped_moe's CE minus dense_unique's at the same depth, worst inner "
+                     "boundary, below 0 in every seed")),
+           ('routing diverges more than chance',
+            *verdict(kappa_max, lambda x: x < 0, lambda x: x < 0,
+                     "computed: kappa < 0 in every layer and pair of loops (0: independent routing)")),
+           ('routing agrees more than chance',
+            *verdict(kappa_min, lambda x: x > 0, lambda x: x > 0,
+                     "computed: kappa > 0 in every layer and pair of loops")),
+           ('tied routing loses the experts\' gain',
+            *verdict(tied, lambda f: f < 0.5, lambda f: f < 0.5,
+                     "computed: looped_moe_tied keeps under half of looped_moe's gain over dense_looped, "
+                     "per seed"))]
+    return out
+
+
+def ce_table(ev):
+    R = max((len(e['boundary_ce']) for runs in ev.values() for e in runs.values()), default=0)
+    lines = ["### Val CE at every boundary", "",
+             "Mean over seeds ± sd; a boundary is a loop's exit, or the same depth in a unique model's layers, "
+             f"read out through the same norm and head. {R} boundaries; the last is full depth.", "",
+             "| arm | seeds | " + ' | '.join(f"boundary {b}" for b in range(1, R + 1)) + " |",
+             "|---|---|" + "---|" * R]
+    for name, runs in ev.items():
+        cols = np.array([e['boundary_ce'] for e in runs.values()]) if runs else np.zeros((0, R))
+        cells = [f"{fmt(mean(cols[:, b]), '.4f')} ± {fmt(std(cols[:, b]), '.4f')}" if len(cols) else '–'
+                 for b in range(R)]
+        lines.append(f"| {name} | {len(runs)} | " + ' | '.join(cells) + " |")
+    return lines + [""]
+
+
+def routing_table(ev, arm):
+    runs = ev.get(arm, {})
+    pairs = {}
+    for e in runs.values():
+        for j, a, b, p in pairs_of(e):
+            pairs.setdefault((j, a, b), []).append(p)
+    if not pairs:
+        return []
+    lines = [f"### {arm}: routing divergence between loops, against chance", "",
+             "Per physical layer and pair of loops, mean over seeds: the share of tokens whose top-k sets "
+             "share o experts (independent routing with each loop's own usage in brackets), mean Jaccard, "
+             "kappa = (mean o - o_ind) / (k - o_ind) (0 independent, 1 identical) and the Jensen-Shannon "
+             "divergence of the loops' expert usage (bits).", "",
+             "| layer | loops | o = 0 (chance) | o = k (chance) | Jaccard | kappa | JS |",
+             "|---|---|---|---|---|---|---|"]
+    for (j, a, b), ps in sorted(pairs.items()):
+        m = lambda key, i=None: mean([p[key] if i is None else p[key][i] for p in ps
+                                      if p[key] is not None])
+        lines.append(f"| {j} | {a}-{b} | {m('overlap', 0):.3f} ({m('chance', 0):.3f}) | "
+                     f"{m('overlap', -1):.3f} ({m('chance', -1):.3f}) | {m('jaccard'):.3f} | "
+                     f"{fmt(m('kappa'), '+.3f')} | {m('js_bits'):.3f} |")
+    return lines + [""]
+
+
+def plot_overlap(plt, ev, report_dir, prefix):
+    pairs = [p for e in ev.get('looped_moe', {}).values() for *_, p in pairs_of(e)]
+    if plt is None or not pairs:
+        return []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    o = np.arange(len(pairs[0]['overlap']))
+    ax1.bar(o - 0.2, np.mean([p['overlap'] for p in pairs], 0), 0.4, label='looped_moe')
+    ax1.bar(o + 0.2, np.mean([p['chance'] for p in pairs], 0), 0.4, label='independent (chance)')
+    ax1.set(xlabel='overlap o of the top-k sets of two loops', ylabel='share of tokens', xticks=o)
+    ax1.legend()
+    for arm in ('looped_moe', 'looped_moe_tied'):
+        ks = {}
+        for e in ev.get(arm, {}).values():
+            for j, a, b, p in pairs_of(e):
+                ks.setdefault(f"L{j} {a}-{b}", []).append(p['kappa'])
+        ks = {key: [x for x in v if x is not None] for key, v in ks.items()}
+        ax2.plot(list(ks), [mean(v) if v else np.nan for v in ks.values()], 'o-', label=arm)
+    ax2.axhline(0, color='gray', lw=0.8)
+    ax2.set(ylabel='kappa (0 = chance)', xlabel='layer, loops')
+    ax2.tick_params(axis='x', rotation=60)
+    ax2.legend()
+    return save(fig, plt, report_dir, f'{prefix}_routing.png')
+
+
+def moe_report(arms, header, report_dir, prefix):
+    ev = runs_of(arms)
+    lines = header + ce_table(ev) + routing_table(ev, 'looped_moe') + routing_table(ev, 'looped_moe_tied')
+    lines += plot_overlap(plt_or_none(), ev, report_dir, prefix)
+    return lines + verdict_block(verdicts(ev))
+
+
+if __name__ == '__main__':
+    main()
