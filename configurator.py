@@ -305,9 +305,12 @@ def resume_config(config, explicit, ckpt, path):
     saved.update(ckpt['model_args'])  # the weights' truth, vocab_size included
     # what the weights mean; dropout and the attention kernel (the same result, by another path) may change
     arch = [k for k in model_keys() if k not in ('dropout', 'attn_impl')] + ['dataset']
-    changed_arch = [k for k in arch if k in explicit and k in saved and config[k] != saved[k]]
+    # a model key the checkpoint lacks predates it: those weights were built with GPTConfig's default
+    # (a dense checkpoint from before n_expert has n_expert=0), so --n_expert=8 is a change like any other
+    was = {f.name: f.default for f in fields(GPTConfig)} | saved
+    changed_arch = [k for k in arch if k in explicit and k in was and config[k] != was[k]]
     if changed_arch:
-        diffs = ', '.join(f"{k}={config[k]!r} (checkpoint: {saved[k]!r})" for k in changed_arch)
+        diffs = ', '.join(f"{k}={config[k]!r} (checkpoint: {was[k]!r})" for k in changed_arch)
         die(f"cannot resume {path} with a different architecture: {diffs}; drop these overrides or use a "
             f"new out_dir")
     out = dict(config)

@@ -140,6 +140,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=Non
     path crops the same way, so both decode alike (docs/decoding.md)."""
     R = model.config.n_loop if n_loop is None else n_loop
     adaptive = exit_threshold is not None
+    # tied routing (§5) reads loop 1's experts in loops 2..R: one pass over the same rows (sample.py refuses)
+    assert not (model.config.tied_routing and (adaptive or draft_loops)), \
+        "tied_routing needs all loops in one pass over the same rows: no early exits, no speculative drafts"
     threshold = exits.score_threshold(exit_policy, exit_threshold) if adaptive else None
     stats = {} if stats is None else stats
     for key in ('refills', 'drafted', 'checked', 'accepted'):

@@ -143,17 +143,25 @@ def moe(x, idx, w, c_fc, c_proj, act):
     if grouped_mm_runs(xs, c_fc, c_proj):
         offs = counts.cumsum(0).to(torch.int32)         # where each expert's rows end
         h = F.grouped_mm(act(F.grouped_mm(xs, c_fc, offs=offs)), c_proj, offs=offs)
-    else:  # one matmul pair per expert, over its contiguous rows
-        h = torch.cat([act(a @ c_fc[i]) @ c_proj[i] for i, a in enumerate(xs.split(counts.tolist()))])
+    else:
+        h = experts_split(xs, counts, c_fc, c_proj, act)
     return torch.zeros_like(x).index_add(0, tok, h * w.flatten()[order, None].to(dt))
 
 
+@torch.compiler.disable  # data-dependent splits: run eagerly, rather than recompile for every count
+def experts_split(xs, counts, c_fc, c_proj, act):
+    # one matmul pair per expert, over its contiguous rows
+    return torch.cat([act(a @ c_fc[i]) @ c_proj[i] for i, a in enumerate(xs.split(counts.tolist()))])
+
+
 def grouped_mm_runs(xs, c_fc, c_proj):
-    # F.grouped_mm wants rows whose byte strides are multiples of 16, and on CUDA bf16 on a Hopper+ GPU
+    # F.grouped_mm wants rows whose byte strides are multiples of 16, and bf16 on a Hopper+ GPU or under
+    # torch.compile (its meta kernel refuses float32, torch 2.13), where float32 takes the loop instead
     widths = (xs.size(-1), c_fc.size(-1), c_proj.size(-2), c_proj.size(-1))  # C, F, H, C
     aligned = all(n * xs.element_size() % 16 == 0 for n in widths)
-    if xs.device.type == 'cuda':
-        return aligned and xs.dtype == torch.bfloat16 and torch.cuda.get_device_capability(xs.device)[0] >= 9
+    if xs.device.type == 'cuda' or torch.compiler.is_compiling():
+        hopper = xs.device.type != 'cuda' or torch.cuda.get_device_capability(xs.device)[0] >= 9
+        return aligned and xs.dtype == torch.bfloat16 and hopper
     return aligned and xs.device.type == 'cpu'
 
 

@@ -199,9 +199,8 @@ class MoE(nn.Module):
         H = config.expert_hidden or 4 * C // k  # k experts of 4C/k: the dense MLP's active parameters
         self.swiglu, self.top_k, self.tied = config.mlp == 'swiglu', k, tied
         self.router = nn.Linear(C, E, bias=False)
-        # the experts' matrices stacked (E, in, out); nn.Linear's default init for each
-        fc_out = (2 if self.swiglu else 1) * H
-        self.c_fc = nn.Parameter(torch.empty(E, C, fc_out).uniform_(-C ** -0.5, C ** -0.5))
+        # the experts' matrices stacked (E, in, out), each with nn.Linear's default init
+        self.c_fc = nn.Parameter(torch.empty(E, C, (1 + self.swiglu) * H).uniform_(-C ** -0.5, C ** -0.5))
         self.c_proj = nn.Parameter(torch.empty(E, H, C).uniform_(-H ** -0.5, H ** -0.5))
         self.dropout = nn.Dropout(config.dropout)
         self.visits = []  # this pass's Route per visit, in order: a shared layer's loop k at [k - 1]
@@ -563,13 +562,9 @@ def flops_per_token(model, T=None, n_loop=None):
 
 
 def active_params(module):
-    # the parameters one token's forward pass uses: an MoE layer's experts count k of E (§5), its
-    # router fully. A dense module: all its parameters
-    n = sum(p.numel() for p in module.parameters())
-    for moe in (m for m in module.modules() if isinstance(m, MoE)):
-        E = moe.c_fc.size(0)
-        n -= (moe.c_fc.numel() + moe.c_proj.numel()) * (E - moe.top_k) // E
-    return n
+    # the parameters one token uses: k of an MoE layer's E stacked experts (§5), all of everything else
+    share = lambda m, p: m.top_k / len(p) if isinstance(m, MoE) and p.dim() == 3 else 1
+    return round(sum(p.numel() * share(m, p) for m in module.modules() for p in m.parameters(recurse=False)))
 
 
 def estimate_mfu(model, fwdbwd_per_iter, dt, peak=None, T=None):

@@ -61,7 +61,12 @@ def check(explicit, R, cfg):
         (k or 'speculate' not in explicit, f"--speculate={speculate} is the draft length: add --draft_loops"),
         (k < R, f"--draft_loops={k}: drafts must use fewer loops than the {R} each token runs (1..{R - 1})"),
         (not (k and adaptive), "--draft_loops gives fixed-depth tokens: drop --exit_threshold"),
-        (not (k and shared), "--draft_loops verifies with every loop's own slots: drop --kv_policy=shared")]
+        (not (k and shared), "--draft_loops verifies with every loop's own slots: drop --kv_policy=shared"),
+        # tied routing (§5): loops 2..R reuse loop 1's experts, from the same pass and the same rows
+        (not (cfg.tied_routing and adaptive), "--exit_threshold drops exited rows between loops, and this "
+         "model's tied_routing=True needs loop 1's experts for every row: drop --exit_threshold"),
+        (not (cfg.tied_routing and k), "--draft_loops verifies loops k+1.. in another pass, and this "
+         "model's tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops")]
     for ok, msg in rules:
         if not ok:
             die(msg)

@@ -271,8 +271,8 @@ def log_eval(it, losses, lr):
            'time': round(time.time() - t_start, 3)}
     if raw_model.config.n_expert:
         row['moe_balance'], row['moe_z'] = losses['val_moe']
-        print(f"  MoE        balance {row['moe_balance']:.4f}, z-loss {row['moe_z']:.3f}   (val; mean over layers "
-              f"and visits; balance 1 = uniform load)")
+        print(f"  MoE        balance {row['moe_balance']:.4f}, z-loss {row['moe_z']:.3f}   (val; mean over "
+              f"layers and visits; balance 1 = uniform load)")
     if log_kappa:  # kappa_R of the loss on one fixed training batch, mean over the shared matrices
         X, Y = get_batch('train', torch.Generator().manual_seed(seed + 1))
         row['kappa'] = ops.mean_kappa(raw_model, X, Y, ctx)

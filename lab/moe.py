@@ -133,7 +133,8 @@ def verdicts(ev):
     final = lambda e: e['boundary_ce'][-1]
     gap = paired(ev, lambda u, d, m: (final(d) - final(m)) / (final(d) - final(u)),
                  'dense_unique', 'dense_looped', 'looped_moe')
-    exits = paired(ev, lambda u, m: max(cm - cu for cm, cu in zip(m['boundary_ce'][:-1], u['boundary_ce'][:-1])),
+    inner = lambda e: e['boundary_ce'][:-1]  # the boundaries before full depth
+    exits = paired(ev, lambda u, m: max(cm - cu for cm, cu in zip(inner(m), inner(u))),
                    'dense_unique', 'looped_moe')
     kappas = [[p['kappa'] for *_, p in pairs_of(e) if p['kappa'] is not None]
               for e in ev.get('looped_moe', {}).values()]
@@ -164,8 +165,8 @@ def verdicts(ev):
 def ce_table(ev):
     R = max((len(e['boundary_ce']) for runs in ev.values() for e in runs.values()), default=0)
     lines = ["### Val CE at every boundary", "",
-             "Mean over seeds ± sd; a boundary is a loop's exit, or the same depth in a unique model's layers, "
-             f"read out through the same norm and head. {R} boundaries; the last is full depth.", "",
+             "Mean over seeds ± sd; a boundary is a loop's exit, or the same depth in a unique model's "
+             f"layers, read out through the same norm and head. {R} boundaries; the last is full depth.", "",
              "| arm | seeds | " + ' | '.join(f"boundary {b}" for b in range(1, R + 1)) + " |",
              "|---|---|" + "---|" * R]
     for name, runs in ev.items():

@@ -127,23 +127,27 @@ def divergence(routes, n_expert, top_k):
     choice on loop r, the same N tokens in the same order for every r. Returns a JSON-able dict."""
     E, k = n_expert, top_k
     uniform = hypergeom(E, k)
-    res = dict(n_expert=E, top_k=k, uniform=dict(overlap=uniform.tolist(), jaccard=jaccard(uniform)), layers=[])
+    res = dict(n_expert=E, top_k=k, layers=[],
+               uniform=dict(overlap=uniform.tolist(), jaccard=jaccard(uniform)))
     for j in sorted({j for j, _ in routes}):
         loops = sorted(r for jj, r in routes if jj == j)
         idxs = [routes[j, r] for r in loops]
         for r, x in zip(loops, idxs):
-            assert x.shape == (idxs[0].size(0), k), f"layer {j} loop {r}: idx {tuple(x.shape)}, expected (N, {k})"
+            assert x.shape == (idxs[0].size(0), k), \
+                f"layer {j} loop {r}: idx {tuple(x.shape)}, expected (N, {k})"
         pairs = []
         for (a, ia), (b, ib) in itertools.combinations(zip(loops, idxs), 2):
             hist, chance = overlap_hist(ia, ib, E), chance_hist(ia, ib, E)
             pairs.append(dict(loops=[a, b], overlap=hist.tolist(), chance=chance.tolist(),
-                              mean_overlap=mean_overlap(hist), o_ind=mean_overlap(chance), jaccard=jaccard(hist),
+                              mean_overlap=mean_overlap(hist), o_ind=mean_overlap(chance),
+                              jaccard=jaccard(hist),
                               jaccard_chance=jaccard(chance), kappa=kappa(hist, chance),
                               js_bits=js_divergence(ia, ib, E)))
         marg, unif = distinct_chance(idxs, E)
         res['layers'].append(dict(layer=j, loops=loops, tokens=idxs[0].size(0), pairs=pairs,
-                                  distinct=distinct_experts(idxs, E), distinct_chance=marg, distinct_uniform=unif,
-                                  load=[load_ratio(x, E) for x in idxs], usage=[usage(x, E).tolist() for x in idxs]))
+                                  distinct=distinct_experts(idxs, E), distinct_chance=marg,
+                                  distinct_uniform=unif, load=[load_ratio(x, E) for x in idxs],
+                                  usage=[usage(x, E).tolist() for x in idxs]))
     return res
 
 # -----------------------------------------------------------------------------
@@ -166,7 +170,8 @@ def print_report(res, title):
     E, k = res['n_expert'], res['top_k']
     pct = lambda h: '/'.join(f"{100 * p:.1f}" for p in h)
     print(title)
-    print(f"overlap o = |S_a ∩ S_b| of the top-{k} sets, % of tokens at o = {'/'.join(map(str, range(k + 1)))}; "
+    print(f"overlap o = |S_a ∩ S_b| of the top-{k} sets, % of tokens at o = "
+          f"{'/'.join(map(str, range(k + 1)))}; "
           f"chance: independent routing, each loop with its own distribution of sets")
     print(f"  uniform chance (hypergeometric): {pct(res['uniform']['overlap'])}, Jaccard "
           f"{res['uniform']['jaccard']:.3f}. kappa: 0 = chance, 1 = identical routing. JS in bits: 0 = same "
@@ -175,11 +180,13 @@ def print_report(res, title):
         print(f"layer h[{L['layer']}]: {L['tokens']:,} tokens, top-{k} of {E} experts, loops "
               f"{L['loops'][0]}..{L['loops'][-1]}")
         w = 6 * k + 6
-        print(f"  {'loops':<7}{'overlap %':<{w}}{'chance %':<{w}}{'Jaccard (chance)':<18}{'kappa':>7}{'JS bits':>9}")
+        print(f"  {'loops':<7}{'overlap %':<{w}}{'chance %':<{w}}{'Jaccard (chance)':<18}"
+              f"{'kappa':>7}{'JS bits':>9}")
         for p in L['pairs']:
             kap = 'n/a' if p['kappa'] is None else f"{p['kappa']:.3f}"
             print(f"  {'{}-{}'.format(*p['loops']):<7}{pct(p['overlap']):<{w}}{pct(p['chance']):<{w}}"
-                  f"{'{:.3f} ({:.3f})'.format(p['jaccard'], p['jaccard_chance']):<18}{kap:>7}{p['js_bits']:>9.3f}")
+                  f"{'{:.3f} ({:.3f})'.format(p['jaccard'], p['jaccard_chance']):<18}{kap:>7}"
+                  f"{p['js_bits']:>9.3f}")
         print(f"  distinct experts per token over {len(L['loops'])} loops: {L['distinct']:.2f} (chance "
               f"{L['distinct_chance']:.2f} from the loops' marginals, {L['distinct_uniform']:.2f} uniform)")
         print(f"  load max/mean per visit (1 = balanced, {E / k:.2f} = collapse onto {k} experts): "
@@ -208,7 +215,8 @@ def main(argv=None):
     ckpt = checkpoint.load(ckpt_path)
     E = ckpt['model_args'].get('n_expert', 0)
     if not E:
-        die(f"{ckpt_path} has no experts: n_expert = 0 (a dense model; routing needs a Looped-MoE checkpoint)")
+        die(f"{ckpt_path} has no experts: n_expert = 0 (a dense model; routing needs a Looped-MoE "
+            f"checkpoint)")
     model = checkpoint.build_model(ckpt).to(device)
     data_dir = args.data_dir or os.path.join('data', ckpt.get('dataset', ''))
     X, _ = val_windows(data_dir, load_meta(data_dir), model.config.block_size, args.batches * args.batch_size)

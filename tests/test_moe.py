@@ -1,0 +1,430 @@
+"""
+Looped-MoE (docs/papers.md §5): a mixture of experts in place of the MLP. The grouped dispatch is the
+per-expert loop, the balancing and z-losses are their formulas per visit, tied routing reuses loop 1's
+experts, k of E experts of width 4C/k cost what the dense MLP costs, and everything the dense model
+guarantees (exact resume, DDP, cached and self-speculative decoding, one-line errors) holds with experts.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import save_tiny_checkpoint
+from test_engine import logits_of_each_step
+from test_reliability import (assert_clean_error, model_tensors_equal, run_dir, snapshot,  # noqa: F401
+                              torchrun_unavailable)
+from test_sample import run_main
+from test_train import REPO, TINY, cli_env, read_metrics, run_train, write_data
+
+import kernels
+from configurator import check_model
+from engine import generate
+from model import GPT, GPTConfig, activation, active_params, flops_per_token
+
+V, T = 48, 16
+MOE = dict(n_expert=4, top_k=2)
+
+
+def tiny(**kw):
+    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=3, n_head=2, n_embd=32, **MOE)
+    base.update(kw)
+    torch.manual_seed(0)
+    return GPT(check_model(GPTConfig(**base)))
+
+
+def batch(B=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def routing(N=24, E=4, k=2, seed=0, skip=None):
+    """k distinct experts per token (skip: an expert no token picks) and their weights, as the router gives"""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(N, E, generator=g)
+    if skip is not None:
+        scores[:, skip] = -1
+    idx = scores.topk(k, dim=-1).indices
+    w = torch.rand(N, k, generator=g).softmax(-1)
+    return idx, w
+
+
+def experts(E=4, C=32, H=16, swiglu=True, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    c_fc = torch.randn(E, C, (2 if swiglu else 1) * H, generator=g) / C ** 0.5
+    c_proj = torch.randn(E, H, C, generator=g) / H ** 0.5
+    return c_fc, c_proj, lambda h: activation(h, swiglu)
+
+# ---------------------------------------------------------------- the dispatch
+
+
+@pytest.mark.parametrize('grouped', [True, False], ids=['grouped_mm', 'split_loop'])
+@pytest.mark.parametrize('swiglu', [True, False], ids=['swiglu', 'gelu'])
+def test_grouped_dispatch_equals_the_per_expert_loop_in_values_and_gradients(grouped, swiglu, monkeypatch):
+    # kernels.moe sorts the (token, expert) pairs by expert and runs each expert once on its block of rows;
+    # kernels.moe_loop is the formula y_t = sum_j w_tj expert_{idx_tj}(x_t), one expert at a time
+    monkeypatch.setattr(kernels, 'grouped_mm_runs', lambda *a: grouped)
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(2))
+    idx, w = routing()
+    c_fc, c_proj, act = experts(swiglu=swiglu)
+    leaves = [t.clone().requires_grad_() for t in (x, w, c_fc, c_proj)]
+    twins = [t.clone().requires_grad_() for t in (x, w, c_fc, c_proj)]
+    fast = kernels.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], act)
+    slow = kernels.moe_loop(twins[0], idx, twins[1], twins[2], twins[3], act)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+    up = torch.randn_like(slow)
+    (fast * up).sum().backward()
+    (slow * up).sum().backward()
+    for name, a, b in zip(('x', 'w', 'c_fc', 'c_proj'), leaves, twins):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize('grouped', [True, False], ids=['grouped_mm', 'split_loop'])
+def test_an_expert_that_receives_no_token_gets_a_zero_gradient(grouped, monkeypatch):
+    # a gradient of zeros, not None: DDP all-reduces every parameter, so a starved expert must take part
+    monkeypatch.setattr(kernels, 'grouped_mm_runs', lambda *a: grouped)
+    x = torch.randn(24, 32)
+    idx, w = routing(skip=3)
+    c_fc, c_proj, act = (t.requires_grad_() if torch.is_tensor(t) else t for t in experts())
+    kernels.moe(x, idx, w, c_fc, c_proj, act).square().sum().backward()
+    for p in (c_fc, c_proj):
+        assert p.grad is not None and torch.equal(p.grad[3], torch.zeros_like(p.grad[3]))
+        assert all(p.grad[i].abs().sum() > 0 for i in range(3))
+
+
+def test_routing_of_a_token_does_not_depend_on_the_rest_of_the_batch():
+    # token choice, dropless: no capacity, so a token's experts and output are its own, whatever its batch
+    m = tiny().eval()
+    X, _ = batch(B=4)
+    with torch.no_grad():
+        together = m.states(X)
+        routes = [[r.idx.view(4, T, -1) for r in moe.visits] for moe in m.moe_layers()]
+        for b in range(4):
+            alone = m.states(X[b:b + 1])
+            for layer, moe in enumerate(m.moe_layers()):
+                for k, r in enumerate(moe.visits):
+                    assert torch.equal(r.idx.view(1, T, -1)[0], routes[layer][k][b]), (b, layer, k)
+            for h, h1 in zip(together, alone):
+                torch.testing.assert_close(h[b:b + 1], h1, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_under_bf16_autocast_on_cpu_runs_and_is_close_to_fp32():
+    m = tiny()
+    X, Y = batch()
+    _, loss32 = m(X, Y)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        _, loss16 = m(X, Y)
+    loss16.backward()
+    assert loss16.dtype == torch.float32 and torch.isfinite(loss16)
+    assert abs(loss16.item() - loss32.item()) < 0.02 * loss32.item(), (loss16.item(), loss32.item())
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    # the grouped kernel casts by hand (grouped_mm is not autocast): bf16 out, near the fp32 formula
+    x, (idx, w), (c_fc, c_proj, act) = torch.randn(24, 32), routing(), experts()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        y = kernels.moe(x, idx, w, c_fc, c_proj, act)
+    assert y.dtype == torch.bfloat16
+    exact = kernels.moe_loop(x, idx, w, c_fc, c_proj, act)
+    torch.testing.assert_close(y.float(), exact, rtol=0.05, atol=0.05)
+
+# ---------------------------------------------------------------- the router losses
+
+
+def hand_built(model, routes):
+    # the routes (logits, idx) of one MoE layer's visits, the other layers silent
+    for moe in model.moe_layers():
+        moe.visits.clear()
+    model.moe_layers()[0].visits.extend(routes)
+
+
+def test_balance_and_z_loss_equal_their_formulas_on_a_hand_built_router_output():
+    # E = 4 experts, k = 2 slots per token, 3 tokens. Balance = E sum_i f_i P_i, with f_i the share of the
+    # N k slots sent to expert i and P_i its mean router probability; z = mean_t logsumexp(logits_t)^2
+    m = tiny()
+    rows = [[2.0, 0.0, 0.0, -1.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.5]]
+    picks = [[0, 1], [1, 0], [2, 3]]
+    hand_built(m, [(torch.tensor(rows), torch.tensor(picks))])
+    balance, z = m.router_losses()
+    f = [2 / 6, 2 / 6, 1 / 6, 1 / 6]
+    P = [sum(math.exp(r[i]) / sum(math.exp(v) for v in r) for r in rows) / 3 for i in range(4)]
+    lse = [math.log(sum(math.exp(v) for v in r)) for r in rows]
+    assert balance.item() == pytest.approx(4 * sum(fi * Pi for fi, Pi in zip(f, P)), rel=1e-6)
+    assert z.item() == pytest.approx(sum(s * s for s in lse) / 3, rel=1e-6)
+    # uniform probabilities and a uniform load: balance 1; z = (log E)^2
+    hand_built(m, [(torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]]))])
+    balance, z = m.router_losses()
+    assert balance.item() == pytest.approx(1.0) and z.item() == pytest.approx(math.log(4) ** 2)
+
+
+def test_balance_is_per_visit_so_a_routing_balanced_over_loops_but_not_within_one_scores_worse():
+    # loop 1 sends every token to experts 0 and 1, loop 2 to experts 2 and 3: pooled over loops the load
+    # is uniform, but within each loop half the experts idle. Per visit, it scores as badly as it is
+    m = tiny()
+    sure = lambda experts: torch.tensor([[4.0 if i == e else 0.0 for i in range(4)] for e in experts])
+    split = [(sure([0, 1, 0, 1]), torch.tensor([[0], [1], [0], [1]])),
+             (sure([2, 3, 2, 3]), torch.tensor([[2], [3], [2], [3]]))]
+    even = [(sure([0, 1, 2, 3]), torch.tensor([[0], [1], [2], [3]]))] * 2
+    hand_built(m, split)
+    per_loop, _ = m.router_losses()
+    hand_built(m, even)
+    within, _ = m.router_losses()
+    hand_built(m, [(torch.cat([split[0][0], split[1][0]]), torch.cat([split[0][1], split[1][1]]))])
+    pooled, _ = m.router_losses()
+    assert within.item() == pytest.approx(pooled.item()) and within.item() < 1.0
+    assert per_loop.item() > 1.5 * within.item()
+
+
+def test_the_router_losses_enter_the_training_loss_with_their_coefficients():
+    m = tiny()
+    X, Y = batch()
+    m.config.aux_loss_coef = m.config.z_loss_coef = 0.0
+    _, ce = m(X, Y)
+    m.config.aux_loss_coef, m.config.z_loss_coef = 0.5, 0.25
+    _, loss = m(X, Y)
+    balance, z = m.router_losses()
+    assert len(m.moe_layers()) == 2 and all(len(moe.visits) == 3 for moe in m.moe_layers())  # K x R visits
+    torch.testing.assert_close(loss, ce + 0.5 * balance + 0.25 * z)
+
+# ---------------------------------------------------------------- tied routing
+
+
+def test_tied_routing_reuses_loop_1s_experts_exactly_with_each_loops_own_weights(monkeypatch):
+    calls, moe = [], kernels.moe
+    monkeypatch.setattr(kernels, 'moe', lambda x, idx, w, *a: calls.append((idx, w)) or moe(x, idx, w, *a))
+    tied, free = tiny(tied_routing=True), tiny()
+    X, Y = batch()
+    h_tied, h_free = tied.states(X), free.states(X)
+    for layer in tied.moe_layers():
+        first = layer.visits[0]
+        assert torch.equal(first.idx, first.logits.topk(2, dim=-1).indices)  # loop 1 picks its own top k
+        for logits, idx in layer.visits[1:]:
+            assert torch.equal(idx, first.idx)
+    # the weights of loop k are loop k's router probabilities at loop 1's experts, renormalised
+    in_call_order = [layer.visits[k] for k in range(3) for layer in tied.moe_layers()]  # loop k, layer j
+    for (idx, w), (logits, _) in zip(calls[:6], in_call_order):
+        p = logits.softmax(-1).gather(-1, idx)
+        torch.testing.assert_close(w, p / p.sum(-1, keepdim=True))
+    # the same weights: loop 1 is the untied model's loop 1, and untied routing does move between loops
+    assert torch.equal(h_tied[0], h_free[0]) and not torch.equal(h_tied[-1], h_free[-1])
+    assert any(not torch.equal(r.idx, layer.visits[0].idx)
+               for layer in free.moe_layers() for r in layer.visits)
+
+# ---------------------------------------------------------------- what a token costs
+
+
+@pytest.mark.parametrize('mlp', ['swiglu', 'gelu'])
+@pytest.mark.parametrize('k', [1, 2, 4])
+def test_k_of_E_experts_of_width_4C_over_k_cost_the_dense_mlp_plus_the_router(mlp, k):
+    dense, moe = tiny(mlp=mlp, n_expert=0), tiny(mlp=mlp, n_expert=8, top_k=k)
+    C, E, K, R = 32, 8, 2, 3
+    router = C * E  # per MoE layer
+    assert active_params(moe.transformer.h) == active_params(dense.transformer.h) + K * router
+    # every visit of a shared layer runs its router once: R K of them per token, 6 flops per weight
+    assert flops_per_token(moe) == flops_per_token(dense) + 6 * R * K * router
+    # stored, the experts are E/k dense MLPs
+    mlp_params = lambda m: sum(p.numel() for b in m.transformer.h for n, p in b.mlp.named_parameters()
+                               if n != 'router.weight')
+    assert mlp_params(moe) * k == mlp_params(dense) * E
+    # moe_where='all': the prelude (once) and the coda (at each of the R exits) route too
+    dense, moe = (tiny(mlp=mlp, n_expert=n, top_k=k, moe_where='all', n_prelude=1, n_coda=1) for n in (0, 8))
+    assert flops_per_token(moe) == flops_per_token(dense) + 6 * (R * K + 1 + R) * router
+
+
+def test_the_moe_keys_change_nothing_when_n_expert_is_0():
+    # the dense path is the code before §5 (tests/test_recurrent.py holds it to the golden metrics); the MoE
+    # keys it ignores must stay ignored
+    X, Y = batch()
+    plain = tiny(n_expert=0)
+    other = tiny(n_expert=0, top_k=7, expert_hidden=5, moe_where='all', aux_loss_coef=1.0, z_loss_coef=1.0)
+    assert not plain.moe_layers() and plain.state_dict().keys() == other.state_dict().keys()
+    assert model_tensors_equal(plain.state_dict(), other.state_dict())
+    for m in (plain, other):
+        m(X, Y)[1].backward()
+    assert torch.equal(plain(X, Y)[1], other(X, Y)[1])
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), other.parameters()))
+
+# ---------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(tied_routing=True),
+                                dict(moe_where='all', n_prelude=1, n_coda=1, pos='rope', injection='add')],
+                         ids=['loop', 'tied', 'all'])
+def test_cached_decoding_equals_recompute_with_moe_blocks(kw, monkeypatch):
+    # the logits of every step, past the block size too: a token routes alone, so one at a time is the same
+    m = tiny(n_loop=4, **kw).eval()
+    x = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(1))
+    out, cached = logits_of_each_step(monkeypatch, m, x, 24, temperature=0)
+    ref, uncached = logits_of_each_step(monkeypatch, m, x, 24, temperature=0, use_cache=False)
+    assert torch.equal(out, ref)
+    for i, (a, b) in enumerate(zip(cached, uncached)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {i}")
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(moe_where='all', n_prelude=1, n_coda=1, injection='concat')],
+                         ids=['loop', 'all'])
+def test_greedy_self_speculative_decoding_equals_fixed_depth_with_moe_blocks(kw):
+    m = tiny(n_loop=4, **kw).eval()
+    x = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(1))
+    fixed, _ = generate(m, x, 20, temperature=0)
+    for k, gamma in ((1, 3), (2, 4), (3, 2)):
+        stats = {}
+        out, _ = generate(m, x, 20, temperature=0, draft_loops=k, speculate=gamma, stats=stats)
+        assert torch.equal(out, fixed), (k, gamma)
+        assert stats['checked'] > 0
+
+# ---------------------------------------------------------------- train.py: resume, DDP, bad input
+
+MOE_ARGS = [*TINY, '--n_expert=4', '--top_k=2']
+
+
+def test_resume_with_moe_is_bit_exact_2n_equals_n_plus_n(tmp_path):
+    # dropout on, so the restored RNG matters; the MoE balance and z-loss are logged at every eval
+    write_data(tmp_path)
+    args = [*MOE_ARGS, '--dropout=0.1', '--eval_interval=1']
+    runs = [run_train([*args, '--max_iters=4', '--out_dir=a'], tmp_path),
+            run_train([*args, '--max_iters=2', '--out_dir=b'], tmp_path),
+            run_train(['--init_from=resume', '--max_iters=4', '--out_dir=b'], tmp_path)]
+    for code, out, err in runs:
+        assert code == 0, err
+    assert 'MoE        balance' in runs[0][1]
+    drop_time = lambda rows: [{k: v for k, v in r.items() if k != 'time'} for r in rows]
+    rows_a, rows_b = (read_metrics(tmp_path / d / 'metrics.jsonl') for d in 'ab')
+    assert [r['iter'] for r in rows_a] == list(range(5)) and all('moe_balance' in r for r in rows_a)
+    assert drop_time(rows_a) == drop_time(rows_b)
+    ca, cb = (torch.load(tmp_path / d / 'ckpt.pt', weights_only=True) for d in 'ab')
+    assert model_tensors_equal(ca['model'], cb['model']) and 'transformer.h.0.mlp.c_fc' in ca['model']
+    for pa, pb in zip(ca['optimizer']['state'].values(), cb['optimizer']['state'].values()):
+        assert model_tensors_equal(pa, pb)
+
+
+MOE_KEYS = ('n_expert', 'top_k', 'expert_hidden', 'moe_where', 'aux_loss_coef', 'z_loss_coef', 'tied_routing')
+
+
+def test_a_dense_checkpoint_from_before_moe_refuses_experts_and_resumes_dense(run_dir):
+    # a checkpoint written before the §5 keys existed lacks them: its weights are GPTConfig's default, dense
+    path = run_dir / 'out' / 'ckpt.pt'
+    ckpt = torch.load(path, weights_only=True)
+    for key in MOE_KEYS:
+        ckpt['model_args'].pop(key)
+        ckpt['config'].pop(key, None)
+    torch.save(ckpt, path)
+    before = snapshot(path)
+    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--n_expert=8'], run_dir)
+    assert_clean_error(code, err, 'n_expert=8 (checkpoint: 0)', 'architecture')
+    assert snapshot(path) == before
+    code, out, err = run_train(['--init_from=resume', '--out_dir=out', '--max_iters=3', '--n_expert=0'],
+                               run_dir)
+    assert code == 0, err  # the default, said out loud, is no change
+
+
+def test_an_moe_checkpoint_resumed_as_dense_is_one_line(tmp_path):
+    write_data(tmp_path)
+    code, out, err = run_train([*MOE_ARGS, '--max_iters=1', '--eval_interval=1', '--out_dir=out'], tmp_path)
+    assert code == 0, err
+    before = snapshot(tmp_path / 'out' / 'ckpt.pt')
+    for flags, says in ((['--n_expert=0'], 'n_expert=0 (checkpoint: 4)'), (['--top_k=1'], 'top_k=1'),
+                        (['--tied_routing=True'], 'tied_routing=True')):
+        code, out, err = run_train(['--init_from=resume', '--out_dir=out', *flags], tmp_path)
+        assert_clean_error(code, err, says, 'architecture')
+    assert snapshot(tmp_path / 'out' / 'ckpt.pt') == before
+
+
+@pytest.mark.parametrize('flags,says', [
+    (['--n_expert=4', '--top_k=5'], 'top_k=5 exceeds n_expert=4'),
+    (['--n_expert=1'], 'n_expert=1 is a dense MLP with a router'),
+    (['--n_expert=-2'], 'n_expert=-2: must be an integer >= 0'),
+    (['--tied_routing=True'], 'tied_routing reuses loop 1'),
+    (['--n_expert=4', '--top_k=0'], 'top_k=0: must be an integer >= 1'),
+    (['--n_expert=4', '--aux_loss_coef=-1.0'], 'must be >= 0'),
+], ids=['top_k>E', 'E=1', 'E<0', 'tied_dense', 'k=0', 'coef<0'])
+def test_bad_moe_settings_are_one_line_errors(flags, says, tmp_path):
+    write_data(tmp_path)
+    code, out, err = run_train([*TINY, '--max_iters=1', '--out_dir=out', *flags], tmp_path)
+    assert_clean_error(code, err, says)
+    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+
+
+@pytest.fixture
+def tied_ckpt(tiny_data, tmp_path):
+    meta = json.loads((tiny_data / 'meta.json').read_text(encoding='utf-8'))
+    save_tiny_checkpoint(str(tmp_path / 'tied' / 'ckpt.pt'), meta['vocab_size'], dataset=tiny_data.name,
+                         meta=meta, n_loop=3, n_expert=4, top_k=2, tied_routing=True)
+    return tmp_path / 'tied'
+
+
+@pytest.mark.parametrize('flags,says', [
+    (['--exit_threshold=0.5'], "needs loop 1's experts for every row: drop --exit_threshold"),
+    (['--exit_threshold=0.5', '--kv_policy=copy'], 'drop --exit_threshold'),
+    (['--draft_loops=1'], "tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops"),
+])
+def test_tied_routing_refuses_early_exits_and_self_speculative_decoding(flags, says, tied_ckpt, tiny_data,
+                                                                       monkeypatch):
+    # rows that exit leave loop 1's routing behind them, and verify runs loops k+1..R in a pass of its own:
+    # loop 1's experts are not there to reuse
+    monkeypatch.chdir(tiny_data.parent.parent)
+    base = [f'--out_dir={tied_ckpt}', '--num_samples=1', '--max_new_tokens=6', '--device=cpu']
+    code, out, err = run_main([*base, *flags])
+    assert code not in (0, None) and err.startswith('error: ') and err.count('\n') == 1, err
+    assert says in err, err
+    code, out, err = run_main([*base, '--temperature=0'])  # fixed depth: every loop in one pass
+    assert code == 0, err
+    with pytest.raises(AssertionError, match='tied_routing'):  # and the library call says so too
+        generate(GPT(GPTConfig(**torch.load(tied_ckpt / 'ckpt.pt', weights_only=True)['model_args'])),
+                 torch.zeros(1, 2, dtype=torch.long), 2, draft_loops=1)
+
+
+DDP_HOOKS = textwrap.dedent('''
+    # train.py under torchrun, every MoE layer's last expert starved (its router logit pushed down by 1e4),
+    # the first step's gradients and the parameters after it recorded
+    import os, runpy, sys
+    import torch
+    sys.path.insert(0, os.environ['REPO'])
+    import model as M
+    rec, init, step = {}, M.MoE.__init__, torch.optim.AdamW.step
+    def starved(self, config, tied=False):
+        init(self, config, tied)
+        self.router.register_forward_hook(lambda mod, inp, out: out - 1e4 * (torch.arange(out.size(-1)) ==
+                                                                             out.size(-1) - 1))
+    def first_step(self, *a, **k):
+        out = step(self, *a, **k)
+        if 'grads' not in rec:
+            params = [p for g in self.param_groups for p in g['params']]
+            rec['grads'] = [p.grad.clone() for p in params]
+            rec['after'] = [p.detach().clone() for p in params]
+        return out
+    M.MoE.__init__, torch.optim.AdamW.step = starved, first_step
+    sys.argv = ['train.py'] + sys.argv[1:]
+    try:
+        runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
+    finally:
+        torch.save(rec, os.path.join(os.environ['DUMP'], f"rank{os.environ.get('RANK', '0')}.pt"))
+''')
+
+
+def test_a_ddp_step_with_an_expert_that_receives_no_token_succeeds(tmp_path):
+    # DDP all-reduces every parameter's gradient: the starved expert's is zeros on both ranks, the step
+    # runs, both ranks hold the same weights after it, and the eval's MoE balance is averaged over ranks
+    write_data(tmp_path)
+    (tmp_path / 'hooks.py').write_text(DDP_HOOKS)
+    (tmp_path / 'dump').mkdir()
+    args = [*MOE_ARGS, '--gradient_accumulation_steps=2', '--max_iters=1', '--eval_interval=1',
+            '--out_dir=out']
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        'hooks.py', *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=cli_env(REPO=REPO, DUMP=str(tmp_path / 'dump')))
+    if r.returncode != 0 and torchrun_unavailable():
+        pytest.skip(torchrun_unavailable())
+    assert r.returncode == 0, r.stderr[-3000:]
+    d0, d1 = (torch.load(tmp_path / 'dump' / f'rank{i}.pt', weights_only=True) for i in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(d0['grads'], d1['grads']))
+    assert all(torch.equal(a, b) for a, b in zip(d0['after'], d1['after']))
+    stacked = [g for g in d0['grads'] if g.dim() == 3]  # c_fc and c_proj of each MoE layer, (E, in, out)
+    assert len(stacked) == 2
+    for g in stacked:
+        assert torch.equal(g[-1], torch.zeros_like(g[-1])) and all(g[i].abs().sum() > 0 for i in range(3))
+    assert 'moe_balance' in read_metrics(tmp_path / 'out' / 'metrics.jsonl')[-1]
