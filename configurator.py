@@ -35,7 +35,7 @@ MODEL_CHOICES = dict(
     inter_loop_norm=('none', 'rmsnorm', 'layernorm', 'readout'),
     block=('preln', 'postln', 'sandwich'),
     attn_impl=('auto', 'sdpa', 'math', 'explicit'),
-    injection=('none', 'add', 'concat'),
+    injection=('none', 'add', 'concat', 'iso'),
     adapter_init=('identity', 'default'),
     loop_sampling=('fixed', 'poisson_lognormal'),
     exit_gate=('none', 'learned'),
@@ -43,7 +43,8 @@ MODEL_CHOICES = dict(
 )
 # the integer keys and their least value
 INT_KEYS = dict(block_size=1, vocab_size=1, n_layer=1, n_loop=1, n_head=1, n_embd=1,
-                n_prelude=0, n_coda=0, max_loop=0, backprop_loops=0, n_expert=0, top_k=1, expert_hidden=0)
+                n_prelude=0, n_coda=0, max_loop=0, backprop_loops=0, hyper_lanes=0, n_expert=0, top_k=1,
+                expert_hidden=0)
 
 
 def require(ok, msg):
@@ -92,6 +93,17 @@ def check_model(cfg):
             f"inter_loop_norm='readout' feeds the readout norm back: it needs readout='rmsnorm' or "
             f"'layernorm', not {cfg.readout!r}")
     require(cfg.exit_entropy >= 0, f"exit_entropy={cfg.exit_entropy!r}: must be >= 0")
+    # hyper-connections (docs/papers.md §3): parameters per loop 1..n_loop, every one of them trained
+    if cfg.hyper_lanes:
+        lanes = f"hyper_lanes={cfg.hyper_lanes}"
+        require(cfg.hyper_lanes >= 2, f"{lanes}: hyper-connections need at least 2 lanes (0 = off)")
+        require(cfg.injection == 'none', f"{lanes} replaces the injection: set injection='none', "
+                f"not {cfg.injection!r}")
+        require(cfg.loop_sampling == 'fixed', f"{lanes} has parameters per loop 1..n_loop: it needs "
+                f"loop_sampling='fixed'")
+        b = cfg.backprop_loops
+        require(b == 0 or b >= cfg.n_loop, f"{lanes} with backprop_loops={b}: the lane parameters of loops "
+                f"1..{cfg.n_loop - b} would get no gradient (0 = all loops)")
     # Looped-MoE (§5)
     require(cfg.n_expert != 1, "n_expert=1 is a dense MLP with a router: use n_expert=0 (dense) or >= 2")
     require(not cfg.n_expert or cfg.top_k <= cfg.n_expert,

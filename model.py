@@ -62,11 +62,12 @@ class GPTConfig:
     # ---- §4 the recurrent-depth family; the defaults switch every piece off ----
     n_prelude: int = 0             # untied blocks before the loop; their output e is re-injected
     n_coda: int = 0                # untied blocks after every exit, before the readout norm
-    injection: str = 'none'        # how e re-enters loops 2..R: none | add | concat (W [x; e])
-    adapter_init: str = 'identity'  # concat's W at init: identity ([I 0], iso-depth) | default (Huginn)
+    injection: str = 'none'        # how e re-enters loops 2..R: none | add | concat (W [x; e]) | iso (§3)
+    adapter_init: str = 'identity'  # W at init: identity ([I 0], iso-depth) | default (Huginn)
     loop_sampling: str = 'fixed'   # R per training step: fixed | poisson_lognormal (mean R + 1)
     max_loop: int = 0              # cap on the sampled R; 0 = 4 x n_loop
     backprop_loops: int = 0        # gradients through the last this many loops only; 0 = all
+    hyper_lanes: int = 0           # hyper-connections (§3): N lanes carried between loops; 0 = off
     exit_gate: str = 'none'        # none | learned: lambda_k = sigmoid(w . z_k + b)
     exit_entropy: float = 0.0      # learned gate: minus this times the entropy of p(k) in the loss
     # ---- §5 Looped-MoE: a mixture of experts in place of the MLP ----
@@ -291,8 +292,14 @@ class GPT(nn.Module):
             ln_loop=ln_loop,
             ln_out=ln_out,
         ))
-        if config.injection == 'concat':
-            self.transformer.adapter = nn.Linear(2 * C, C, bias=False)  # W [x; e] (Huginn)
+        if config.injection in ('concat', 'iso'):
+            self.transformer.adapter = nn.Linear(2 * C, C, bias=False)  # W [x; e] (Huginn), W [e; s] (§3)
+        if config.hyper_lanes:
+            # §3: per loop k, alpha_k (N), M_k (N x N), beta_k (N) in one 1-D tensor (no weight decay, no
+            # matrix init), at the cyclic init alpha_k = e_(k-1 mod N), M_k = I, beta_k = 1
+            I = torch.eye(config.hyper_lanes)
+            self.transformer.lanes = nn.ParameterList(
+                torch.cat([I[k % len(I)], I.flatten(), torch.ones(len(I))]) for k in range(config.n_loop))
         if config.exit_gate == 'learned':
             self.exit_gate = nn.Linear(C, 1)  # lambda_k = sigmoid(w . z_k + b) (Ouro, §4)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
@@ -333,8 +340,9 @@ class GPT(nn.Module):
                 ffn = [getattr(m, 'weight', m) for m in (block.mlp.c_fc, block.mlp.c_proj)]
                 for w in (block.attn.c_proj.weight, *ffn):
                     w *= cfg.beta
-        if cfg.injection == 'concat' and cfg.adapter_init == 'identity':
+        if cfg.injection in ('concat', 'iso') and cfg.adapter_init == 'identity':
             # docs/papers.md §3 (iso-depth): W = [I 0], so at first W [x; e] = x passes the state through
+            # and the paper's W [e; s] = e reads the prelude output
             eye = torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1)
             self.transformer.adapter.weight.copy_(eye)
 
@@ -375,13 +383,16 @@ class GPT(nn.Module):
             moe.visits.clear()
         return self.run_untied('prelude', self.embed(idx, pos), cache, pos)
 
-    def loop_input(self, h, e):
-        # what enters the next loop: the inter-loop norm (§1), then the prelude output e (§4)
-        x = self.transformer.ln_loop(h)
+    def loop_input(self, h, e, k=2):
+        # what enters loop k: the inter-loop norm (§1), then the prelude output e (§4); 'iso' (§3) acts
+        # before loop 1 too, on s_0 = e
+        x = self.transformer.ln_loop(h) if k > 1 else h
         if self.config.injection == 'add':
             return x + e
         if self.config.injection == 'concat':
             return self.transformer.adapter(torch.cat([x, e], dim=-1))  # (B, T, 2C) -> (B, T, C)
+        if self.config.injection == 'iso':
+            return self.transformer.adapter(torch.cat([e, x], dim=-1))  # u = W [e; s]
         return x
 
     def loops(self, x, e, ks, cache=None, pos=0):
@@ -391,13 +402,23 @@ class GPT(nn.Module):
         before any norm: where ||h_k|| is measured (docs/papers.md §1)."""
         rope, states = self.rope(pos, x.size(1)), []
         last, b, grad = ks[-1], self.config.backprop_loops, torch.is_grad_enabled()
+        N = self.config.hyper_lanes  # §3: N lanes, each e at first, carry the recurrence instead of h_k
+        assert not N or (ks[0] == 1 and last <= self.config.n_loop), "hyper-connections run loops 1..n_loop"
+        lanes = e.expand(N, *e.shape) if N else None
         for k in ks:
             # truncated backprop (§4): only the last b loops build a graph (b = 0: all of them)
             with torch.set_grad_enabled(grad and (b == 0 or k > last - b)):
-                if k > 1:
-                    x = self.loop_input(x, e)
+                if N:
+                    alpha, M, beta = self.transformer.lanes[k - 1].split([N, N * N, N])
+                    x = torch.einsum('n,n...->...', alpha, lanes)  # u = sum_n alpha_n lane_n
+                elif k > 1 or self.config.injection == 'iso':
+                    x = self.loop_input(x, e, k)
                 for j, block in enumerate(self.transformer.h):  # the same K blocks every round
                     x = block(x, rope, None if cache is None else cache.slot('loop', j, k), pos)
+                if N:  # lanes <- M lanes + beta s, s the normed state; exit k reads the lanes' sum
+                    s = self.transformer.ln_loop(x)
+                    lanes = torch.einsum('mn,n...->m...', M.view(N, N), lanes) + beta.view(N, 1, 1, 1) * s
+                    x = lanes.sum(0)
             states.append(x)
         return states
 
@@ -423,7 +444,9 @@ class GPT(nn.Module):
         return self.transformer.ln_out(h)
 
     def head_input(self, h, k, cache=None, pos=0, R=None):
-        # z_k, what the LM head and the exit gate read at exit k: the coda, then the readout norm
+        # z_k, what the LM head and the exit gate read at exit k: the coda, then the readout norm. Under
+        # 'iso' the coda reads the normed state s_k, as the loop after it would (§3)
+        h = self.transformer.ln_loop(h) if self.config.injection == 'iso' else h
         return self.readout_norm(self.run_untied('coda', h, cache, pos), k, R)
 
     def readout(self, h, k):
@@ -536,7 +559,7 @@ def param_counts(model):
     t = model.transformer
     n = lambda *parts: sum(p.numel() for part in parts for p in part.parameters())
     loop_norm = () if t.ln_loop is t.ln_out else (t.ln_loop,)  # 'readout': the readout norm, once
-    rec = (t.h, *loop_norm, *((t.adapter,) if model.config.injection == 'concat' else ()))
+    rec = (t.h, *loop_norm, *(t[part] for part in ('adapter', 'lanes') if part in t))
     return n(t.prelude, t.coda, t.ln_emb, t.ln_out), n(*rec)
 
 
@@ -551,10 +574,12 @@ def flops_per_token(model, T=None, n_loop=None):
     free = R - cfg.backprop_loops if 0 < cfg.backprop_loops < R else 0
     # the K layers run every loop, the coda and head at every supervised exit, the prelude
     # once, the injection adapter before every loop after the first
-    adapter = 2 * cfg.n_embd ** 2 if cfg.injection == 'concat' else 0
+    N = cfg.hyper_lanes  # the lanes' mixing: (N^2 + 2N) C per loop, as the paper counts it (§3)
+    adapter = 2 * cfg.n_embd ** 2 if cfg.injection in ('concat', 'iso') else (N * N + 2 * N) * cfg.n_embd
+    first = cfg.injection != 'concat'  # iso's W and the lanes act before loop 1 too
     # weights in use: a token's k experts of E and the router (active_params, §5)
     head = active_params(model.transformer.coda) + cfg.vocab_size * cfg.n_embd
-    loops = lambda n: active_params(model.transformer.h) * n + adapter * max(n - 1, 0)  # loops 1..n
+    loops = lambda n: active_params(model.transformer.h) * n + adapter * max(n - 1 + first, 0)  # loops 1..n
     weights = loops(R) - loops(free) + active_params(model.transformer.prelude)
     visits = cfg.n_layer * (R - free) + cfg.n_prelude + cfg.n_coda * n_exits
     attn = 12 * visits * cfg.n_embd * T + 4 * cfg.n_layer * free * cfg.n_embd * T  # QK^T and AV per visit

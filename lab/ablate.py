@@ -625,12 +625,17 @@ def run_vocab_size(cfg):
     return read_json(os.path.join('data', cfg['dataset'], 'meta.json'), {}).get('vocab_size', unprepared)
 
 
-def estimate(cfg):
-    """(tokens, training FLOPs) of a run: model.flops_per_token x tokens (eval passes not counted)."""
+def meta_model(cfg):
+    """The model of a run's resolved config on the meta device: its shapes and counts, no weights."""
     model_args = {k: cfg[k] for k in model_keys()}
     model_args['vocab_size'] = run_vocab_size(cfg)
-    with contextlib.redirect_stdout(io.StringIO()), torch.device('meta'):  # no weights, no parameter count
-        model = GPT(gpt_config(model_args))
+    with contextlib.redirect_stdout(io.StringIO()), torch.device('meta'):  # no parameter count printed
+        return GPT(gpt_config(model_args))
+
+
+def estimate(cfg):
+    """(tokens, training FLOPs) of a run: model.flops_per_token x tokens (eval passes not counted)."""
+    model = meta_model(cfg)
     tokens = cfg['max_iters'] * cfg['batch_size'] * cfg['gradient_accumulation_steps'] * cfg['block_size']
     return tokens, flops_per_token(model, cfg['block_size']) * tokens
 
@@ -678,6 +683,15 @@ def parser():
     ap.add_argument('--seeds', default='', help="comma-separated seeds (default: the preset's)")
     ap.add_argument('--out', default=None, help='runs go to <out>/<arm>-s<seed>; default out-ablate-<preset>')
     ap.add_argument('--report_dir', default=None, help='default: assets/ for the laptop sweep, else <out>')
+    runner_flags(ap)
+    ap.add_argument('--eval_args', default='', help='extra eval_depth.py arguments, e.g. "--n_seqs=256"')
+    ap.add_argument('--report_only', action='store_true', help='only rebuild the report from finished runs')
+    ap.add_argument('--reeval', action='store_true', help='run eval_depth.py again on finished runs')
+    return ap
+
+
+def runner_flags(ap):
+    """The flags of the runners (local, submitit/Slurm) and of --dry_run, shared with lab/isodepth.py."""
     ap.add_argument('--workers', type=int, default=0,
                     help='runs at once (0: one per CPU core on a CPU, else 1)')
     ap.add_argument('--gpus_per_worker', type=int, default=0,
@@ -694,16 +708,20 @@ def parser():
     ap.add_argument('--time', type=int, default=240,
                     help='--executor=slurm: time limit per job in minutes (then requeued: the run resumes)')
     ap.add_argument('--slurm_args', default='', help='more sbatch options, e.g. "account=lab qos=normal"')
-    ap.add_argument('--eval_args', default='', help='extra eval_depth.py arguments, e.g. "--n_seqs=256"')
-    ap.add_argument('--report_only', action='store_true', help='only rebuild the report from finished runs')
-    ap.add_argument('--reeval', action='store_true', help='run eval_depth.py again on finished runs')
     ap.add_argument('--dry_run', action='store_true',
                     help='print the commands and the estimated compute, run nothing')
     ap.add_argument('--mfu', type=float, default=0.4, help='assumed model flops utilisation for --dry_run')
     ap.add_argument('--peak_tflops', type=float, default=989.0, help='--dry_run: GPU bf16 peak (H100: 989)')
     ap.add_argument('--cpu_gflops', type=float, default=CPU_GFLOPS,
                     help='--dry_run: training FLOP/s of one CPU run per core, in GFLOP/s (measured: assets/)')
-    return ap
+
+
+def slurm_options(text):
+    """--slurm_args as a dict of sbatch options."""
+    try:
+        return dict(kv.split('=', 1) for kv in text.split())
+    except ValueError:
+        die(f"--slurm_args {text}: expected sbatch options key=value, e.g. 'account=lab qos=high'")
 
 
 def parse_args(argv):
@@ -724,10 +742,7 @@ def parse_args(argv):
     for a in args.only:
         if a not in names:
             die(f"--only {a}: not an arm of {args.preset} ({', '.join(names)})")
-    try:
-        args.slurm_args = dict(kv.split('=', 1) for kv in args.slurm_args.split())
-    except ValueError:
-        die(f"--slurm_args {args.slurm_args}: expected sbatch options key=value, e.g. 'account=lab qos=high'")
+    args.slurm_args = slurm_options(args.slurm_args)
     try:
         args.seeds = [int(s) for s in args.seeds.split(',') if s] or list(PRESETS[args.preset]['seeds'])
     except ValueError:

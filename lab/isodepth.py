@@ -25,20 +25,38 @@ over the (budget, r) cells: whole cells are resampled, not rows, since the runs 
 training recipe and their errors. Each refit starts from the full fit's optimum and --boot_starts random
 points. phi is reported "not identified" when that CI is wider than 0.5 (PHI_CI_WIDTH).
 
-The sweep that produces such a table (the paper's grid through lab/ablate.py's runners) is not built yet;
-`python lab/isodepth.py` without --fit says so.
+The sweep trains such a table here, through lab/ablate.py's runners (local, or --executor=slurm):
+
+    python lab/isodepth.py --dry_run                 # the laptop grid's runs and their CPU time
+    python lab/isodepth.py                           # the paper's model (--case=baseline); report in assets/
+    python lab/isodepth.py --case=truncated          # backprop through the last ceil(r/2) loops
+    python lab/isodepth.py --case=hyper              # 2-lane hyper-connections (r = 1 shared)
+    python lab/isodepth.py --preset=gpu --dry_run    # the paper's grid and its GPU-hours
+
+Iso-depth: prelude + (looped / r) blocks x r + coda, r in {1, 2, 4, 8}, the widths of each FLOP budget, one
+seed per cell and a second on four baseline cells (the run-to-run noise), terminal supervision; a run's
+steps are its budget over model.flops_per_token. A finished run is skipped on the next call. Each case is
+fitted to its runs and the shared r = 1 runs: <report_dir>/isodepth.md, isodepth.json (the fits, the runs),
+isodepth_<case>.csv (the --fit table of each case) and the plots. --widths, --budgets and --rs replace the
+preset's grid; any other --key=value is a config override for every run.
 """
 import csv
 import json
 import math
 import os
+import shlex
 import sys
 
 import numpy as np
 from scipy.optimize import minimize
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+import configurator
+from ablate import (arm, code_version, dry_run, estimate, meta_model, repo_path, run_args, run_sweep,
+                    runner_flags, slurm_options, train_defaults)
 from errors import Parser, die
+from model import param_counts
+from reports import finish_plot, fmt, plt_or_none, read_json, read_metrics, read_status, save
 
 COLUMNS = ('n_once', 'n_rec', 'r', 'tokens', 'loss')
 HUBER_DELTA = 1e-3
@@ -224,11 +242,296 @@ def fit(runs, starts=500, resamples=200, boot_starts=20, seed=0):
     lo, hi = (float(v) for v in np.percentile(phis, [2.5, 97.5]))
     out = dict(law(thetas['free']), phi_ci=[lo, hi], identified=hi - lo <= PHI_CI_WIDTH, fits=fits,
                n_runs=len(logL), n_cells=len(cells(runs)[2]), degenerate_resamples=degenerate,
+               phi_boot=[round(float(p), 4) for p in phis],
                starts=starts, resamples=resamples, boot_starts=boot_starts, seed=seed)
     out['phi_fit'] = out['phi']
     if not out['identified']:
         out['phi'] = None  # a number here would be read as a measurement
     return out
+
+# -----------------------------------------------------------------------------
+# the sweep: the iso-depth grid, trained through lab/ablate.py's runners
+
+CASES = ('baseline', 'truncated', 'hyper')  # the paper's model and its two case studies (docs/papers.md §3)
+PAPER_PHI = dict(baseline=0.459, truncated=0.380, hyper=0.646)  # the paper's point fits (its 4-budget subset
+                                                                # for the case studies: 0.453 baseline)
+# a preset: the base config, the effective depth prelude + looped + coda (looped = K r), heads of `head`
+# channels, the widths of each FLOP budget, r, the seeds (the second on a few cells: the run-to-run noise),
+# the evaluations after step 0 (the last gives the loss; more leave checkpoints to resume from)
+SWEEPS = {
+    # 4 widths x 3 budgets x 4 r = 48 runs (docs/isodepth.md: the design that constrains phi), + 4 noise runs
+    # (~123k-1.1M parameters: Chinchilla's 20 tokens per parameter puts the optimum at ~110k-320k)
+    'laptop': dict(base='config/laptop_isodepth.py', prelude=1, looped=8, coda=1, head=16,
+                   grid={b: (32, 48, 64, 96) for b in (1.5e12, 4.5e12, 1.2e13)}, rs=(1, 2, 4, 8),
+                   seeds=(1, 2), evals=1),
+    # the paper's grid: d = 64 s (heads of 128), s per budget as its scripts (shells/scaling_laws), 2 + 16 + 2
+    'gpu': dict(base='config/isodepth_gpu.py', prelude=2, looped=16, coda=2, head=128,
+                grid={4.64e17: (384, 512, 640, 768), 1e18: (384, 512, 640, 768, 896),
+                      2.15e18: (512, 640, 768, 896, 1024), 4.64e18: (640, 768, 896, 1024, 1152, 1280),
+                      1e19: (768, 1024, 1152, 1280, 1536), 2.15e19: (1152, 1536, 1792, 2176)},
+                rs=(1, 2, 4, 8), seeds=(1, 2), evals=10),
+}
+
+
+def case_arm(case, width, budget, r, sw):
+    """The arm of one run: config/isodepth.py (+ the hyper-connections file), its sizes and its case's keys.
+    r = 1 is the shared baseline of 20 (here prelude + looped + coda) unique blocks without injection."""
+    files = ['config/isodepth.py'] + (['config/isodepth_hyper.py'] if case == 'hyper' and r > 1 else [])
+    over = dict(n_embd=width, n_head=width // sw['head'], n_prelude=sw['prelude'], n_layer=sw['looped'] // r,
+                n_loop=r, n_coda=sw['coda'])
+    if r == 1:
+        over.update(injection='none', inter_loop_norm='none')
+    elif case == 'truncated':
+        over.update(backprop_loops=math.ceil(r / 2))  # gradients through the last ceil(r/2) loops
+    case = 'baseline' if r == 1 else case
+    return arm(f"{case}-d{width}-b{budget:.3g}-r{r}", *files,
+               tags=dict(case=case, width=width, budget=budget, r=r), **over)
+
+
+def grid(sw, args):
+    """(width, budget) pairs of the sweep: the preset's, or --widths x --budgets."""
+    budgets = args.budgets or list(sw['grid'])
+    widths = lambda b: args.widths or sw['grid'].get(b) or next(iter(sw['grid'].values()))
+    return [(w, b) for b in budgets for w in widths(b)]
+
+
+def noise_cells(pairs, rs):
+    """The cells with a second seed: the middle budget's two middle widths at the smallest and largest r."""
+    budgets = sorted({b for _, b in pairs})
+    mid = budgets[len(budgets) // 2]
+    widths = sorted(w for w, b in pairs if b == mid)
+    middle = widths[max(0, len(widths) // 2 - 1):len(widths) // 2 + 1]
+    return {(w, mid, r) for w in middle for r in (rs[0], rs[-1])}
+
+
+def check_grid(sw, args):
+    """One line for a grid that cannot be trained or cannot identify phi."""
+    looped = sw['looped']
+    for r in args.rs:
+        if r < 1 or looped % r:
+            die(f"--rs: r = {r} does not divide the {looped} looped blocks of the {args.preset} preset "
+                f"(effective depth {sw['prelude']} + {looped} + {sw['coda']}): choose r among "
+                f"{', '.join(str(d) for d in range(1, looped + 1) if looped % d == 0)}")
+    if len(set(args.rs)) < 2:
+        die(f"--rs={','.join(map(str, args.rs))}: phi is the worth of a recurrence: give at least two values "
+            f"of r")
+    budgets = {b for _, b in grid(sw, args)}
+    if len(budgets) < 2:
+        die(f"--budgets={','.join(f'{b:g}' for b in budgets)}: one FLOP budget cannot identify phi (D is "
+            f"then fixed by the model's size, collinear with width): give at least two")
+    for w, _ in grid(sw, args):
+        if w % sw['head']:
+            die(f"--widths: {w} is not a multiple of the {args.preset} preset's head size {sw['head']}")
+
+
+def plan_sweep(sw, args, cases=CASES):
+    """Every run of these cases (r = 1 once, shared), its config resolved as train.py resolves it and its
+    steps set by its budget: steps = budget / (model.flops_per_token x tokens per step), rounded down."""
+    base = args.base or [repo_path(sw['base'])]
+    pairs = grid(sw, args)
+    noisy = noise_cells(pairs, args.rs)
+    defaults, jobs = train_defaults(), {}
+    for case in cases:
+        for width, budget in pairs:
+            for r in args.rs:
+                a = case_arm(case, width, budget, r, sw)
+                noise_seed = (width, budget, r) in noisy and case == 'baseline'  # the noise of one case
+                for seed in [sw['seeds'][0]] + ([sw['seeds'][1]] if noise_seed else []):
+                    name = f"{a['name']}-s{seed}"
+                    if name not in jobs:
+                        jobs[name] = dict(name=name, arm=a, seed=seed, out_dir=os.path.join(args.out, name))
+    for job in jobs.values():
+        a, budget = job['arm'], job['arm']['tags']['budget']
+        one = resolve_job(job, base, args, defaults, dict(max_iters=1))
+        step_flops = estimate(one)[1]
+        steps = int(budget // step_flops)
+        if steps < 1:
+            die(f"budget {budget:g} FLOPs is too small for one step of {a['name']} ({step_flops:.3g} FLOPs a "
+                f"step): raise --budgets or lower the batch")
+        evals = math.ceil(steps / sw['evals'])
+        resolve_job(job, base, args, defaults, dict(max_iters=steps, lr_decay_iters=steps,
+                                                    warmup_iters=steps // 20, eval_interval=evals))
+        job['cases'] = CASES if a['tags']['r'] == 1 else (a['tags']['case'],)
+    return list(jobs.values())
+
+
+def resolve_job(job, base, args, defaults, steps):
+    """job['args'] and job['cfg'] with these step keys set before the command line's overrides."""
+    a = dict(job['arm'], overrides=dict(job['arm']['overrides'], **steps))
+    job['args'] = run_args(base, a, job['seed'], job['out_dir'], args.overrides)
+    job['cfg'] = configurator.configure(defaults, job['args'])[0]
+    configurator.check(job['cfg'])  # a bad value dies here, as it would in train.py
+    return job['cfg']
+
+
+def run_table(jobs):
+    """The finished runs, one dict each: case tags, n_once, n_rec, r, tokens, loss (the final val loss) and
+    budget, the columns of --fit."""
+    rows = []
+    for j in jobs:
+        metrics = read_metrics(j['out_dir'])
+        if read_status(j['out_dir']).get('train') != 'done' or not metrics:
+            continue
+        cfg, t = j['cfg'], j['arm']['tags']
+        n_once, n_rec = param_counts(meta_model(cfg))
+        rows.append(dict(name=j['name'], cases=j['cases'], case=t['case'], width=t['width'], seed=j['seed'],
+                         n_once=n_once, n_rec=n_rec, r=t['r'], tokens=estimate(cfg)[0],
+                         loss=metrics[-1]['val_loss'], budget=t['budget'], steps=cfg['max_iters']))
+    return rows
+
+
+def fit_case(rows, args):
+    """The fit of one case's runs (its own and the shared r = 1 runs), or why phi cannot be read."""
+    runs = {c: np.array([row[c] for row in rows], float) for c in (*COLUMNS, 'budget')}
+    why = not_identified(runs) if rows else 'no finished run'
+    if why:
+        return dict(error=why, n_runs=len(rows))
+    return fit(runs, args.starts, args.resamples, args.boot_starts, args.seed)
+
+
+def noise(rows):
+    """The run-to-run noise: the loss differences of the seed pairs, and the per-run std they imply."""
+    by_cell = {}
+    for row in rows:
+        by_cell.setdefault((row['case'], row['width'], row['budget'], row['r']), []).append(row['loss'])
+    diffs = [ls[1] - ls[0] for ls in by_cell.values() if len(ls) > 1]
+    std = math.sqrt(sum(d * d for d in diffs) / (2 * len(diffs))) if diffs else None  # RMS of diffs / sqrt 2
+    return dict(pairs=len(diffs), diffs=diffs, std=std)
+
+
+def write_csv(path, rows, columns=(*COLUMNS, 'budget', 'case', 'width', 'seed', 'steps')):
+    with open(path, 'w', newline='', encoding='utf-8') as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        w.writerows([row[c] for c in columns] for row in rows)
+
+
+def sweep_report(jobs, args, sweep_info):
+    """<report_dir>/isodepth.md, isodepth.json, isodepth_<case>.csv (the --fit table of each case) and the
+    plots, from the runs finished so far."""
+    os.makedirs(args.report_dir, exist_ok=True)
+    rows = run_table(jobs)
+    out = dict(preset=args.preset, command=sweep_info.get('command') or args.command, commit=code_version(),
+               cases={}, noise=noise(rows), runs=rows)
+    for case in CASES:
+        case_rows = [row for row in rows if case in row['cases']]
+        write_csv(os.path.join(args.report_dir, f'isodepth_{case}.csv'), case_rows)
+        planned = sum(case in j['cases'] for j in jobs)
+        out['cases'][case] = dict(fit_case(case_rows, args), planned=planned, finished=len(case_rows))
+    with open(os.path.join(args.report_dir, 'isodepth.json'), 'w', encoding='utf-8') as f:
+        json.dump(out, f, indent=1)
+    lines = report_lines(out, jobs, sweep_info) + plots(out, args.report_dir)
+    path = os.path.join(args.report_dir, 'isodepth.md')
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write('\n'.join(lines) + '\n')
+    print(f"report: {path}")
+    return out
+
+
+def phi_cells(res):
+    """The report's cells of one case: phi, its CI, the law, the fits' R^2 and RMSE (one format for the
+    markdown and the test that reads it back)."""
+    if 'error' in res:
+        return [f"not fitted: {res['error']}"] + [''] * 6
+    lo, hi = res['phi_ci']
+    phi = fmt(res['phi']) if res['identified'] else f"not identified ({fmt(res['phi_fit'])})"
+    q = res['fits']
+    r2 = ' / '.join(fmt(q[k]['r2'], '.4f') for k in ('free', 'phi=0', 'phi=1'))
+    return [phi, f"[{fmt(lo)}, {fmt(hi)}]", fmt(res['alpha']), fmt(res['beta']), fmt(res['E']), r2,
+            fmt(q['free']['rmse'], '.4f')]
+
+
+def report_lines(out, jobs, sweep_info):
+    cfg = jobs[0]['cfg']
+    n = out['noise']
+    lines = ["## The iso-depth law: phi of the paper's looped model and its two case studies", "",
+             f"`{out['command']}`: preset {out['preset']}; {cfg['dataset']}, block {cfg['block_size']}, "
+             f"batch {cfg['batch_size']}x{cfg['gradient_accumulation_steps']}, {cfg['lr_schedule']} lr "
+             f"{cfg['learning_rate']:g}; code {out['commit']}. Wall time of the last call: "
+             f"{fmt(sweep_info.get('wall_seconds', 0) / 60, '.1f')} min.", "",
+             "<!-- from isodepth.json: each case fitted with lab/isodepth.py's fit -->",
+             "| case | runs | phi | 95 % CI | alpha | beta | E (nats) | R^2 free / phi=0 / phi=1 | "
+             "RMSE free | paper |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for case, res in out['cases'].items():
+        lines.append(f"| {case} | {res['finished']}/{res['planned']} | " + ' | '.join(phi_cells(res)) +
+                     f" | {PAPER_PHI[case]} |")
+    lines += ["", f"Run-to-run noise: {n['pairs']} seed pair(s), per-run std "
+              f"{fmt(n['std'], '.4f')} nats (RMS of the pairs' differences / sqrt 2).", "",
+              "<!-- from isodepth.json: the finished runs -->",
+              "| run | n_once | n_rec | r | steps | tokens | val loss |", "|---|---|---|---|---|---|---|"]
+    for row in out['runs']:
+        lines.append(f"| {row['name']} | {row['n_once']:,} | {row['n_rec']:,} | {row['r']} | "
+                     f"{row['steps']:,} | {row['tokens']:,} | {fmt(row['loss'], '.4f')} |")
+    return lines + [""]
+
+
+def plots(out, report_dir):
+    """Loss against N_eff with the fitted law per r, the bootstrap distribution of phi, phi per case."""
+    plt = plt_or_none()
+    fitted = {c: res for c, res in out['cases'].items() if 'error' not in res}
+    if plt is None or not fitted:
+        return []
+    names = []
+    fig, axes = plt.subplots(1, len(fitted), figsize=(5 * len(fitted), 4), squeeze=False)
+    for ax, (case, res) in zip(axes[0], fitted.items()):
+        rows = [row for row in out['runs'] if case in row['cases']]
+        phi = res['phi_fit']
+        for i, r in enumerate(sorted({row['r'] for row in rows})):
+            color = plt.cm.viridis(i / 3)
+            for budget in sorted({row['budget'] for row in rows}):
+                cell = sorted((row for row in rows if row['r'] == r and row['budget'] == budget),
+                              key=lambda row: row['n_once'] + row['n_rec'])
+                n_eff = np.array([row['n_once'] + r ** phi * row['n_rec'] for row in cell])
+                ax.scatter(n_eff, [row['loss'] for row in cell], color=color, s=14,
+                           label=f"r = {r}" if budget == rows[0]['budget'] else None)
+                if len(cell) > 1:  # the law along the cell's iso-FLOP curve, log D interpolated in log N_eff
+                    grid_n = np.geomspace(n_eff.min(), n_eff.max(), 40)
+                    logD = np.log([row['tokens'] for row in cell])
+                    d = np.exp(np.interp(np.log(grid_n), np.log(n_eff), logD))
+                    law_L = res['E'] + res['A'] * grid_n ** -res['alpha'] + res['B'] * d ** -res['beta']
+                    ax.plot(grid_n, law_L, color=color, lw=1)
+        ax.set_xscale('log')
+        ax.set_title(f"{case}: phi = {phi:.3f}", fontsize=9)
+        ax.set_xlabel('N_eff = N_once + r^phi N_rec')
+        ax.set_ylabel('final val loss (nats)')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    names.append(save(fig, plt, report_dir, 'isodepth_loss.png'))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for case, res in fitted.items():
+        ax.hist(res['phi_boot'], bins=30, alpha=0.5, label=case)
+    finish_plot(fig, ax, plt, 'phi of a bootstrap refit', 'resamples', os.path.join(report_dir,
+                                                                                    'isodepth_phi_boot.png'))
+    names.append('isodepth_phi_boot.png')
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for i, (case, res) in enumerate(fitted.items()):
+        lo, hi = res['phi_ci']
+        ax.errorbar([i], [res['phi_fit']], yerr=[[res['phi_fit'] - lo], [hi - res['phi_fit']]], fmt='o',
+                    capsize=4, label=f"{case} (95 % CI)")
+        ax.scatter([i], [PAPER_PHI[case]], marker='x', color='k', label='the paper' if i == 0 else None)
+    ax.set_xticks(range(len(fitted)), list(fitted))
+    finish_plot(fig, ax, plt, 'case', 'phi', os.path.join(report_dir, 'isodepth_phi.png'))
+    names.append('isodepth_phi.png')
+    return [f"![{n}]({n})" for n in names]
+
+
+def sweep(args):
+    """Plan the grid, print it (--dry_run) or train what is not done (ablate.run_sweep: a finished run is
+    skipped, an interrupted one resumed), then fit every case and write the report."""
+    sw = SWEEPS[args.preset]
+    args.rs = args.rs or list(sw['rs'])
+    check_grid(sw, args)
+    jobs = plan_sweep(sw, args, args.case if args.dry_run else CASES)  # the report reads every case's runs
+    todo = [j for j in jobs if set(j['cases']) & set(args.case)]
+    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    if args.dry_run:
+        print(f"{args.preset}: {len(todo)} runs of case(s) {', '.join(args.case)}")
+        dry_run(todo, launcher, args)
+        return None
+    preset = dict(eval_depth=False)  # the runner's preset keys: the final val loss is all the law needs
+    run_sweep(todo, preset, launcher, args)
+    return sweep_report(jobs, args, read_json(os.path.join(args.out, 'sweep.json'), {}))
 
 # -----------------------------------------------------------------------------
 # command line
@@ -251,8 +554,19 @@ def report(res):
 
 def parser():
     ap = Parser('lab/isodepth.py', __doc__.split('\n\n')[0])
-    ap.add_argument('--fit', default='', metavar='RUNS.csv', help=f"a table of runs: {','.join(COLUMNS)}")
-    ap.add_argument('--json', default='', metavar='OUT', help='also write the fit here')
+    ap.epilog = "Any other flag is a config override for every run of the sweep: --key=value."
+    ap.add_argument('--fit', default='', metavar='RUNS.csv', help=f"fit a table of runs: {','.join(COLUMNS)}")
+    ap.add_argument('--json', default='', metavar='OUT', help='--fit: also write the fit here')
+    ap.add_argument('--preset', default='laptop', choices=sorted(SWEEPS), help='the sweep: its grid and base')
+    ap.add_argument('--case', default='baseline',
+                    help=f"the case(s) to train, comma-separated: {', '.join(CASES)}, or all")
+    ap.add_argument('--widths', default='', help="comma-separated, replacing the preset's")
+    ap.add_argument('--budgets', default='', help="FLOP budgets, comma-separated, replacing the preset's")
+    ap.add_argument('--rs', default='', help="recurrence counts, comma-separated, replacing the preset's")
+    ap.add_argument('--base', action='append', default=[], help="config file(s) replacing the preset's base")
+    ap.add_argument('--out', default=None, help='runs go to <out>/<run>; default out-isodepth-<preset>')
+    ap.add_argument('--report_dir', default=None, help='default: assets/ for the laptop preset, else <out>')
+    runner_flags(ap)
     ap.add_argument('--starts', type=int, default=500, help='random starts of each fit')
     ap.add_argument('--resamples', type=int, default=200, help='bootstrap resamples of the cells')
     ap.add_argument('--boot_starts', type=int, default=20,
@@ -261,16 +575,45 @@ def parser():
     return ap
 
 
+def numbers(flag, text, kind):
+    try:
+        return [kind(float(v)) if kind is int else kind(v) for v in text.split(',') if v]
+    except ValueError:
+        die(f"--{flag}={text}: expected comma-separated numbers")
+
+
+def sweep_args(args, overrides, argv):
+    """The sweep's flags checked, with defaults filled in (as lab/ablate.py's parse_args)."""
+    for s in overrides:
+        if not (s.startswith('--') and '=' in s):
+            die(f"unrecognized arguments: {s}; a config override is written --key=value "
+                f"(see python lab/isodepth.py --help)")
+    args.overrides, args.command = overrides, 'python lab/isodepth.py ' + shlex.join(argv)
+    args.case = list(CASES) if args.case == 'all' else [c for c in args.case.split(',') if c]
+    for c in args.case:
+        if c not in CASES:
+            die(f"--case={c}: choose one of {', '.join(CASES)}, or all")
+    args.widths, args.rs = numbers('widths', args.widths, int), numbers('rs', args.rs, int)
+    args.budgets = numbers('budgets', args.budgets, float)
+    args.out = args.out or f'out-isodepth-{args.preset}'
+    args.report_dir = args.report_dir or ('assets' if args.preset == 'laptop' and not args.base else args.out)
+    args.slurm_args = slurm_options(args.slurm_args)
+    args.eval_args, args.reeval = '', False  # the runner's: no eval_depth.py here
+    return args
+
+
 def main(argv=None):
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if not args.fit:
-        die("the iso-depth sweep (the paper's grid through lab/ablate.py) is not built yet: train the runs "
-            "elsewhere and fit them with --fit RUNS.csv (see python lab/isodepth.py --help)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, overrides = parser().parse_known_args(argv)
     for flag in ('starts', 'resamples'):
         if getattr(args, flag) < 1:
             die(f"--{flag}={getattr(args, flag)}: must be >= 1")
     if args.boot_starts < 0:
         die(f"--boot_starts={args.boot_starts}: must be >= 0")
+    if not args.fit:
+        return sweep(sweep_args(args, overrides, argv))
+    if overrides:
+        die(f"unrecognized arguments: {' '.join(overrides)} (--fit takes a table, not config overrides)")
     runs = read_runs(args.fit)
     n_fits = 3 * args.starts + args.resamples * (1 + args.boot_starts)
     print(f"{args.fit}: {len(runs['loss'])} runs; {n_fits:,} L-BFGS-B fits (about 10 ms each on a CPU core)")

@@ -7,6 +7,7 @@ import csv
 import functools
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_model import V, T, tiny
+from test_model import V, T, batch, tiny
 from test_reliability import assert_clean_error
 
 import isodepth
@@ -226,5 +227,216 @@ def test_a_bad_table_stops_with_one_line(tmp_path, edit, why, capsys):
     assert_clean_error(*main_error(capsys, '--fit', str(tmp_path / 'bad.csv')), why)
 
 
-def test_the_sweep_is_not_built_yet_and_says_so(capsys):
-    assert_clean_error(*main_error(capsys), 'the iso-depth sweep', 'not built yet', '--fit RUNS.csv')
+
+# -----------------------------------------------------------------------------
+# the model the law is about: the paper's injection and hyper-connections
+
+
+def block_inputs(m, X, R):
+    # what the first shared block reads at each loop 1..R, and the prelude output e
+    seen = []
+    hook = m.transformer.h[0].register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
+    with torch.no_grad():
+        e = m.prelude(X)
+        states = m.loops(e, e, range(1, R + 1))
+    hook.remove()
+    return seen, e, states
+
+
+def test_the_papers_injection_at_init_feeds_every_loop_the_prelude_output():
+    # config/isodepth.py: u = W [e; s] before every loop, the first included, W = [I 0]: at init every loop's
+    # block reads e itself, not the carried state (concat's [I 0] passes the state instead)
+    X, _ = batch()
+    m = tiny(n_loop=3, n_prelude=1, n_coda=1, injection='iso', inter_loop_norm='rmsnorm')
+    seen, e, _ = block_inputs(m, X, 3)
+    assert len(seen) == 3 and all(torch.equal(u, e) for u in seen)
+    cat_seen, _, cat_states = block_inputs(tiny(n_loop=3, n_prelude=1, injection='concat'), X, 3)
+    assert not torch.allclose(cat_seen[1], e)
+    # trained away from [I 0], the adapter reads [e; s_{k-1}] with s_0 = e and s_k = RMSNorm(h_k), and the
+    # coda reads s_R: the state norm sits after every recurrence
+    with torch.no_grad():
+        m.transformer.adapter.weight.add_(0.3 * torch.randn_like(m.transformer.adapter.weight))
+    adapter_in = []
+    m.transformer.adapter.register_forward_hook(lambda mod, inp, out: adapter_in.append(inp[0].detach()))
+    _, e, states = block_inputs(m, X, 3)
+    s = [e] + [m.transformer.ln_loop(h) for h in states]
+    for k, x in enumerate(adapter_in):
+        torch.testing.assert_close(x, torch.cat([e, s[k]], -1))
+    coda = m.transformer.ln_out(m.transformer.coda[0](s[3], m.rope(0, T)))
+    torch.testing.assert_close(m.head_input(states[-1], 3), coda)
+
+
+def test_hyper_connections_at_init_run_loop_1_as_the_plain_loop():
+    # config/isodepth_hyper.py, cyclic init: alpha_k = e_(k-1 mod 2), M_k = I, beta_k = 1. Loop 1 reads e and
+    # computes the plain loop's h_1; both lanes stay equal, lane = e + s_1 + ... + s_k with s = RMSNorm(h), so
+    # loop 2 reads the plain loop's additive injection e + s_1; exit k reads the lanes' sum 2 (e + s_1 + ..)
+    X, _ = batch()
+    kw = dict(n_loop=3, n_prelude=1, inter_loop_norm='rmsnorm')
+    plain, hyper = tiny(injection='add', **kw), tiny(hyper_lanes=2, **kw)
+    hyper.load_state_dict(plain.state_dict(), strict=False)  # the same blocks, and lanes of its own
+    cyclic = [[1, 0, 1, 0, 0, 1, 1, 1], [0, 1, 1, 0, 0, 1, 1, 1], [1, 0, 1, 0, 0, 1, 1, 1]]  # alpha,M,beta
+    assert [p.tolist() for p in hyper.transformer.lanes] == cyclic
+    seen_plain, e, h_plain = block_inputs(plain, X, 3)
+    seen_hyper, _, h_hyper = block_inputs(hyper, X, 3)
+    torch.testing.assert_close(seen_hyper[0], e)
+    torch.testing.assert_close(seen_hyper[1], seen_plain[1])  # e + s_1
+    lane = e
+    with torch.no_grad():
+        for k in range(3):
+            h = lane
+            for block in hyper.transformer.h:
+                h = block(h, hyper.rope(0, T))
+            if k == 0:
+                torch.testing.assert_close(h, h_plain[0])  # loop 1 is the plain loop
+            torch.testing.assert_close(seen_hyper[k], lane)
+            lane = lane + hyper.transformer.ln_loop(h)
+            torch.testing.assert_close(h_hyper[k], 2 * lane)
+
+
+def test_hyper_lanes_and_the_papers_adapter_count_in_n_rec_and_the_flops_of_every_loop():
+    # N_rec: the K = 2 shared blocks, the state norm, and per loop alpha (2) + M (4) + beta (2) scalars, or W
+    hyper = tiny(n_layer=2, n_loop=3, n_prelude=1, n_coda=1, hyper_lanes=2, inter_loop_norm='rmsnorm')
+    assert param_counts(hyper) == (2 * BLOCK + C, 2 * BLOCK + C + 3 * 8)
+    iso = tiny(n_layer=2, n_loop=3, n_prelude=1, n_coda=1, injection='iso', inter_loop_norm='rmsnorm')
+    assert param_counts(iso) == (2 * BLOCK + C, 2 * BLOCK + C + 2 * C * C)
+    # both act before loop 1 too: W (2 C^2) and the lanes ((N^2 + 2N) C, as the paper counts them) R times
+    kw = dict(n_layer=2, n_loop=3, n_prelude=1, n_coda=1, inter_loop_norm='rmsnorm', supervision='terminal')
+    plain = flops_per_token(tiny(**kw), T)
+    assert flops_per_token(tiny(injection='iso', **kw), T) == plain + 6 * 3 * 2 * C * C
+    assert flops_per_token(tiny(hyper_lanes=2, **kw), T) == plain + 6 * 3 * 8 * C
+
+
+@pytest.mark.parametrize('kw,fragment', [
+    (dict(hyper_lanes=1), 'hyper_lanes=1: hyper-connections need at least 2 lanes'),
+    (dict(hyper_lanes=2, injection='iso'), "hyper_lanes=2 replaces the injection: set injection='none'"),
+    (dict(hyper_lanes=2, loop_sampling='poisson_lognormal'), "needs loop_sampling='fixed'"),
+    (dict(hyper_lanes=2, n_loop=4, backprop_loops=2), 'the lane parameters of loops 1..2 would get no'),
+])
+def test_impossible_hyper_connection_configs_are_rejected_in_one_line(kw, fragment):
+    from configurator import check_model
+    with pytest.raises(ValueError) as e:
+        check_model(GPTConfig(**kw))
+    assert fragment in str(e.value) and '\n' not in str(e.value)
+
+# -----------------------------------------------------------------------------
+# the sweep: a tiny grid through lab/ablate.py's runners
+
+TINY_BASE = """\
+# the tiny sweep's base: a d-16 model on tiny_char, a few steps per run
+dataset = 'tiny_char'
+block_size = 16
+batch_size = 2
+eval_iters = 1
+log_interval = 1
+device = 'cpu'
+compile = False
+"""
+TINY_SWEEP = dict(base='tiny.py', prelude=1, looped=2, coda=1, head=8, grid={3e7: (16,), 6e7: (16,)},
+                  rs=(1, 2), seeds=(1, 2), evals=1)
+
+
+@pytest.fixture
+def tiny_sweep(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'tiny.py').write_text(TINY_BASE, encoding='utf-8')
+    monkeypatch.setitem(isodepth.SWEEPS, 'tiny', TINY_SWEEP)
+    return ['--preset=tiny', '--out=runs', '--report_dir=rep', '--workers=2', '--starts=5', '--resamples=5',
+            '--boot_starts=1']
+
+
+def test_the_sweep_trains_each_run_once_and_a_second_call_trains_nothing(tiny_data, tiny_sweep, tmp_path,
+                                                                        capsys):
+    isodepth.main(tiny_sweep)
+    runs = sorted(p.name for p in (tmp_path / 'runs').iterdir() if p.is_dir())
+    # 1 width x 2 budgets x r in {1, 2}, the second seed on the middle budget's r = 1 and r = 2
+    assert runs == ['baseline-d16-b3e+07-r1-s1', 'baseline-d16-b3e+07-r2-s1', 'baseline-d16-b6e+07-r1-s1',
+                    'baseline-d16-b6e+07-r1-s2', 'baseline-d16-b6e+07-r2-s1', 'baseline-d16-b6e+07-r2-s2']
+    res = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())
+    assert res['noise']['pairs'] == 2 and len(res['runs']) == 6
+    assert 'runs' in res['cases']['baseline']['error']  # 6 runs: too few for the law's 6 parameters
+    steps = {row['name']: row['steps'] for row in res['runs']}
+    assert steps['baseline-d16-b6e+07-r1-s1'] >= 2 * steps['baseline-d16-b3e+07-r1-s1'] - 1  # budget -> D
+    with open(tmp_path / 'rep' / 'isodepth_baseline.csv', encoding='utf-8') as f:
+        assert len(list(csv.DictReader(f))) == 6
+    files = lambda: {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / 'runs').glob('*/*')}
+    before = files()
+    capsys.readouterr()
+    isodepth.main(tiny_sweep)
+    assert files() == before and 'train done' in capsys.readouterr().out
+
+
+def fake_runs(tmp_path, phi=0.46):
+    # finished runs of the tiny sweep's planned jobs, each with a final val loss drawn from the law
+    args = isodepth.sweep_args(isodepth.parser().parse_known_args(FAKE)[0], [], FAKE)
+    args.rs = [1, 2]
+    jobs = isodepth.plan_sweep(isodepth.SWEEPS['tiny'], args)
+    rng = np.random.default_rng(0)
+    for j in jobs:
+        t = j['arm']['tags']
+        n_once, n_rec = param_counts(isodepth.meta_model(j['cfg']))
+        tokens = isodepth.estimate(j['cfg'])[0]
+        loss = TRUE['E'] + TRUE['A'] * (n_once + t['r'] ** phi * n_rec) ** -TRUE['alpha'] + \
+            TRUE['B'] * tokens ** -TRUE['beta'] + 0.01 * rng.standard_normal()
+        os.makedirs(j['out_dir'])
+        with open(os.path.join(j['out_dir'], 'metrics.jsonl'), 'w') as f:
+            f.write(json.dumps(dict(iter=j['cfg']['max_iters'], val_loss=float(loss))) + '\n')
+        with open(os.path.join(j['out_dir'], 'status.json'), 'w') as f:
+            json.dump(dict(train='done'), f)
+    return jobs
+
+
+FAKE = ['--preset=tiny', '--out=runs', '--report_dir=rep', '--widths=16,24,32,48',
+        '--budgets=1e8,3e8,1e9', '--case=all', '--starts=10', '--resamples=20', '--boot_starts=1']
+
+
+def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp_path, monkeypatch):
+    fake_runs(tmp_path)
+    trained = []
+    monkeypatch.setattr(isodepth, 'run_sweep', lambda *a: trained.append(a))  # every run is there
+    isodepth.main(FAKE)
+    res = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())
+    md = (tmp_path / 'rep' / 'isodepth.md').read_text()
+    for case in isodepth.CASES:
+        fit = res['cases'][case]
+        # 4 widths x 3 budgets x r in {1, 2}, r = 1 shared; second seeds on 4 baseline cells, 2 at r = 1
+        assert fit['finished'] == fit['planned'] == (4 * 3 * 2 + 4 if case == 'baseline' else 4 * 3 * 2 + 2)
+        row = next(line for line in md.splitlines() if line.startswith(f'| {case} |'))
+        cells = [c.strip() for c in row.strip('|').split('|')]
+        assert cells[1] == f"{fit['finished']}/{fit['planned']}"
+        assert cells[2:9] == isodepth.phi_cells(fit)
+        lo, hi = fit['phi_ci']
+        assert cells[3] == f"[{lo:.3f}, {hi:.3f}]" and float(cells[4]) == round(fit['alpha'], 3)
+        # the case's CSV refits to the same phi with the same seed: the JSON is the --fit of that table
+        path = tmp_path / 'rep' / f'isodepth_{case}.csv'
+        assert isodepth.fit(isodepth.read_runs(str(path)), 10, 20, 1, 0)['phi_fit'] == fit['phi_fit']
+    for row in res['runs']:
+        assert f"| {row['name']} |" in md and f"{row['loss']:.4f} |" in md
+
+
+BAD_SWEEPS = {  # flags -> what the one line says
+    'r_not_dividing': (['--rs=1,3'], 'r = 3 does not divide the 2 looped blocks'),
+    'one_budget': (['--budgets=6e7'], 'one FLOP budget cannot identify phi'),
+    'one_r': (['--rs=2'], 'give at least two values of r'),
+    'tiny_budget': (['--budgets=1e3,6e7'], 'budget 1000 FLOPs is too small for one step'),
+    'case': (['--case=lanes'], '--case=lanes: choose one of baseline, truncated, hyper, or all'),
+}
+
+
+@pytest.mark.parametrize('flags,why', BAD_SWEEPS.values(), ids=BAD_SWEEPS.keys())
+def test_a_bad_sweep_stops_with_one_line(tiny_data, tiny_sweep, flags, why, capsys):
+    assert_clean_error(*main_error(capsys, *tiny_sweep, *flags, '--dry_run'), why)
+
+
+def test_fit_of_runs_at_a_single_budget_stops_with_one_line(tmp_path, capsys):
+    path = write_csv(tmp_path / 'runs.csv', draw(0.46, keep=lambda g: g[:, 4] == BUDGETS[0]))
+    assert_clean_error(*main_error(capsys, '--fit', path), 'phi is not identified',
+                       'every run is at one FLOP budget')
+
+
+def test_laptop_preset_is_4_widths_x_3_budgets_x_4_r_with_a_second_seed_on_4_cells(repo_dir, monkeypatch,
+                                                                                    capsys):
+    monkeypatch.chdir(repo_dir)
+    isodepth.main(['--dry_run', '--case=baseline'])
+    out = capsys.readouterr().out
+    assert 'laptop: 52 runs of case(s) baseline' in out
+    assert out.count(' on a CPU core') == 52 and 'total: 52 CPU runs' in out
