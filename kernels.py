@@ -138,7 +138,7 @@ def moe(x, idx, w, c_fc, c_proj, act):
     flat = idx.flatten()
     order = flat.argsort(stable=True)                   # the pairs grouped by expert
     tok = order // k                                    # each pair's token
-    counts = torch.bincount(flat, minlength=c_fc.size(0))
+    counts = flat.new_zeros(c_fc.size(0)).scatter_add_(0, flat, torch.ones_like(flat))  # rows per expert
     xs = x[tok]                                         # (N k, C)
     if grouped_mm_runs(xs, c_fc, c_proj):
         offs = counts.cumsum(0).to(torch.int32)         # where each expert's rows end

@@ -3,7 +3,7 @@ Is looping free? Measure it, side by side in one run, and print one table of rat
 but every number here is a ratio of two things timed in the same process, interleaved, medians over repeats,
 warm-up excluded).
 
-    python lab/bench.py                               # CPU: 5.5 min on a busy 2-core CPU; writes bench.json
+    python lab/bench.py                               # CPU: 5.5 min on a busy 2-core CPU + 3 for row 17
     python lab/bench.py --only=untied_vs_looped,peak_memory,step_time,vs_plain   # quick: rows 1-3 and 8
     python lab/bench.py --size=tiny                   # seconds: every row at toy sizes (what the tests run)
     python lab/bench.py --compile                     # also time torch.compile (minutes on a CPU)
@@ -11,6 +11,7 @@ warm-up excluded).
     python lab/bench.py --device=cuda --out=bench_cuda.json   # GPU sizes (bf16 autocast)
     python lab/bench.py --only=vs_plain,bf16,mfu_dtype  # some rows only (names: see MEASUREMENTS)
     python lab/bench.py --size=cpu_large --only=past_block,speculative  # rows 15-16, larger: minutes
+    python lab/bench.py --only=moe --threads=1 --timer=process  # row 17, Looped-MoE: 3 min on a busy CPU
 
 Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
@@ -34,12 +35,15 @@ Rows and their targets:
  15 past block    per-token time past the block size / inside it, 4 x block_size new tokens       <= 1.5
  16 speculative   self-speculative / fixed-R decode tok/s and acceptance, drafts from loops 1..R-1  report
                   (>= 1.0 where the weights exceed the CPU's cache: --size=cpu_large --only=speculative)
+ 17 Looped-MoE    the default run with E = 8 experts, top 2 (active width = dense) vs dense: train step
+                  time per dtype <= 1.5x, peak step memory <= 1.3x; the per-expert loop (kernels.moe_loop)
+                  beside the grouped dispatch (kernels.moe); decode tok/s with the cache; FLOPs/token, MFU
 Each row is announced with the time so far and an ETA. On a CPU without bf16 units (hardware.cpu_bf16_units)
 bf16 is emulated, ~60x slower than fp32, so rows 6 and 8-12 run in fp32 only and row 9 is skipped (--bf16
 and the tiny size time bf16 anyway, marked as emulated; --no-bf16 leaves it out anywhere).
 A "training step" in rows 1-7 is forward + backward (the optimizer update is left out: it is per parameter,
 and a looped model has R times fewer parameters, which would flatter row 1); rows 8-12 time train.py's step
-as it runs (forward, backward, AdamW).
+as it runs (forward, backward, AdamW), and so does row 17's.
 """
 
 import argparse
@@ -67,9 +71,12 @@ from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
 from engine import KVCache, generate
 from exits import KV_POLICIES, exit_score
+import kernels
 from kernels import LinearCrossEntropy
-from model import GPT, GPTConfig, flops_per_token
+from model import GPT, GPTConfig, active_params, flops_per_token
 
+# row 17 on a GPU: config/looped_moe_gpt2s.py's dense shape (the row adds its experts)
+GPT2S_MOE = dict(n_embd=768, n_head=12, n_layer=8, n_loop=2, vocab_size=50304, pos='rope', mlp='swiglu')
 # sizes: 'cpu' runs in a few minutes on a laptop-class CPU, 'tiny' in seconds (tests), 'gpu' for one GPU
 SIZES = {
     'tiny': dict(
@@ -113,7 +120,10 @@ SIZES = {
         past_block=dict(n_embd=768, n_head=12, n_layer=2, n_loop=4, block_size=256, prompt=16,
                         vocab_size=50257),
         speculative=dict(widths=(768,), head_size=64, n_layer=2, n_loop=4, gamma=4, prompt=16, new_tokens=64,
-                         vocab_size=50257)),
+                         vocab_size=50257),
+        # row 17: config/looped_moe_gpt2s.py's model (the row adds the experts) at its micro-batch; decoding
+        moe=dict(GPT2S_MOE, batch_size=12, block_size=1024),
+        moe_decode=dict(GPT2S_MOE, prompt=16, new_tokens=64)),
 }
 # the cpu size with the long rows at full length: d 512 past a block of 256 (the width and block where
 # cropping at every step cost 9.7x), and speculative decoding at d 2048 too, whose 513 MiB of fp32 weights
@@ -657,9 +667,10 @@ def optimizer_steps(model, opt, X, Y, device, dtype, steps):
     return block
 
 
-def default_model(run, **kw):
-    """Row 8's model (train.py's default, GPTConfig keys from the size's 'default'), its AdamW and batch."""
-    spec = run.size['default']
+def default_model(run, spec=None, **kw):
+    """Row 8's model (train.py's default, GPTConfig keys from the size's 'default', or spec), its AdamW and
+    batch."""
+    spec = spec or run.size['default']
     torch.manual_seed(0)
     model = build(run.device, **spec, **kw)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -970,12 +981,120 @@ def row_speculative(run):
                                 weights='untrained (random, GPT-2 init)', config=dict(spec))}
 
 
+# -----------------------------------------------------------------------------
+# row 17: Looped-MoE (docs/papers.md §5) against the dense looped model of the same active width
+
+EXPERTS = dict(n_expert=8, top_k=2)  # the paper's top 2 of 8; an expert is 4C/k wide, so active = dense
+
+
+def with_moe_kernel(fn, kernel):
+    """fn with every MoE layer computing through `kernel` (kernels.moe_loop, the per-expert loop) during the
+    call: model.py has no switch for it (one path is the model's), so kernels.moe is swapped and put back."""
+    def call():
+        saved, kernels.moe = kernels.moe, kernel
+        try:
+            return fn()
+        finally:
+            kernels.moe = saved
+    return call
+
+
+def grouped_mm_used(model, dtype, device):
+    """Whether kernels.moe runs model's experts as one F.grouped_mm in dtype (else its loop of matmuls)."""
+    layer, dt = model.moe_layers()[0], getattr(torch, dtype)
+    xs = torch.empty(0, model.config.n_embd, dtype=dt, device=device)
+    return kernels.grouped_mm_runs(xs, layer.c_fc.detach().to(dt), layer.c_proj.detach().to(dt))
+
+
+def step_peak_mib(spec, device):
+    """Peak MiB of one training step of spec's model (per-loop loss) above what is resident before it: row
+    2's measurement (a fresh child process on CPU)."""
+    res = memory_child(spec, 'per_loop') if device.type == 'cpu' else \
+        peak_step_memory(spec, 'per_loop', str(device))
+    return res['peak_bytes'] / 2 ** 20, res['method']
+
+
+def row_moe(run):
+    """train.py's default run with E = 8 experts of top 2 in the K shared layers (config/looped_moe.py)
+    against the dense default, the same active parameters per token (on a GPU: config/looped_moe_gpt2s.py's
+    model at a micro-batch, with and without experts): the training step per dtype (forward,
+    backward, AdamW; the MoE both through the grouped dispatch, kernels.moe, and through the per-expert
+    loop, kernels.moe_loop), the peak memory of a step, decoding tok/s with the cache (row 4's model, batch
+    1), and FLOPs per token and MFU, which count a token's k experts and the router."""
+    spec, dec = run.size.get('moe', run.size['default']), run.size.get('moe_decode', run.size['decode'])
+    dense, dense_opt, (X, Y) = default_model(run, spec)
+    moe, moe_opt, _ = default_model(run, spec, **EXPERTS)
+    loop, loop_opt, _ = default_model(run, spec, **EXPERTS)  # the same seed: moe's weights
+    n = run.size['block_steps']
+    steps = {}
+    for dtype in run.dtypes:
+        steps[f'moe_dense_{dtype}'] = optimizer_steps(dense, dense_opt, X, Y, run.device, dtype, n)
+        steps[f'moe_grouped_{dtype}'] = optimizer_steps(moe, moe_opt, X, Y, run.device, dtype, n)
+        steps[f'moe_loop_{dtype}'] = with_moe_kernel(
+            optimizer_steps(loop, loop_opt, X, Y, run.device, dtype, n), kernels.moe_loop)
+    t = {k: v / n for k, v in side_by_side(steps, run.device, run.warmup, run.repeats).items()}
+    T, tokens = spec['block_size'], X.numel()
+    flops = dict(dense=flops_per_token(dense, T), moe=flops_per_token(moe, T))
+    best = ceilings(run)
+    peak = peak_flops(torch.cuda.get_device_name(run.device)) if run.device.type == 'cuda' else None
+    out = dict(target='step <= 1.5x, memory <= 1.3x', steps_per_timing=n, dtypes=list(run.dtypes),
+               config=dict(spec, **EXPERTS), **EXPERTS, expert_hidden=moe.moe_layers()[0].c_proj.size(1),
+               params_dense=dense.get_num_params(False), params_moe=moe.get_num_params(False),
+               active_params_moe=active_params(moe), flops_per_token_dense=flops['dense'],
+               flops_per_token_moe=flops['moe'], peak_flops=peak)
+    for d in run.dtypes:
+        s = {who: t[f'moe_{who}_{d}'] for who in ('dense', 'grouped', 'loop')}
+        out.update({f'{who}_s_{d}': v for who, v in s.items()})
+        out.update({f'{who}_tok_s_{d}': tokens / v for who, v in s.items()})
+        out[f'ratio_{d}'] = s['grouped'] / s['dense']              # MoE step time over dense: <= 1.5
+        out[f'loop_ratio_{d}'] = s['loop'] / s['dense']            # the per-expert loop's
+        out[f'grouped_speedup_{d}'] = s['loop'] / s['grouped']     # what the grouped dispatch buys
+        out[f'grouped_mm_{d}'] = grouped_mm_used(moe, d, run.device)
+        for who, f in (('dense', flops['dense']), ('moe', flops['moe'])):
+            step_s = s['dense' if who == 'dense' else 'grouped']
+            out[f'mfu_{who}_{d}'] = f * tokens / step_s / best[d]['flops']
+            if peak and d == 'bfloat16':
+                out[f'mfu_vs_peak_{who}_{d}'] = f * tokens / step_s / peak
+    out['ratio'] = max(out[f'ratio_{d}'] for d in run.dtypes)  # the worst dtype
+    # peak memory of one step (forward + backward), as row 2; the parameters, their gradients and AdamW's
+    # two moments (4 x the fp32 weights) are resident before it, and an MoE has E/k times the MLP's weights
+    (dense_mib, method), (moe_mib, _) = (step_peak_mib(dict(spec, **kw), run.device) for kw in ({}, EXPERTS))
+    out.update(memory_ratio=moe_mib / dense_mib if dense_mib > 0 else math.nan, dense_mib=dense_mib,
+               moe_mib=moe_mib, memory_method=method,
+               **{f'state_mib_{who}': 16 * out[f'params_{who}'] / 2 ** 20 for who in ('dense', 'moe')})
+    out['met'] = out['ratio'] <= 1.5 and out['memory_ratio'] <= 1.3
+    out.update(moe_decoding(run, dec))
+    return {'moe': out}
+
+
+def moe_decoding(run, spec):
+    """Decode tok/s with the KV cache (fixed exit, batch 1) of row 4's model, dense and with experts (grouped
+    dispatch and per-expert loop), timed side by side."""
+    n_new = spec['new_tokens']
+    block_size = spec['prompt'] + n_new
+    torch.manual_seed(0)
+    dense = decode_model(spec, block_size, run.device)
+    torch.manual_seed(0)
+    moe = decode_model(dict(spec, **EXPERTS), block_size, run.device)
+    prompt = random_tokens(spec['vocab_size'], spec['prompt'], seed=0, device=run.device)
+    gens = {'moe_decode_dense': decoder(dense, prompt, n_new),
+            'moe_decode_grouped': decoder(moe, prompt, n_new),
+            'moe_decode_loop': with_moe_kernel(decoder(moe, prompt, n_new), kernels.moe_loop)}
+    t = side_by_side(gens, run.device, 1, min(3, run.repeats))
+    tok_s = {who: n_new / t[f'moe_decode_{who}'] for who in ('dense', 'grouped', 'loop')}
+    dtype = str(next(moe.parameters()).dtype).replace('torch.', '')
+    return dict(decode_tok_s_dense=tok_s['dense'], decode_tok_s_moe=tok_s['grouped'],
+                decode_tok_s_loop=tok_s['loop'], decode_ratio=tok_s['grouped'] / tok_s['dense'],
+                decode_grouped_mm=grouped_mm_used(moe, dtype, run.device), decode_dtype=dtype,
+                decode_config=dict(spec, block_size=block_size, batch_size=1, **EXPERTS))
+
+
 # seconds of each row at the cpu size on a 2-core laptop CPU, (fp32 part, bf16 part), from a run on a busy
 # 2-core Xeon (5m26s there, load ~4) halved: only the ETA's weights, which it scales by the rows so far
 COST = {'untied_vs_looped': (26, 0), 'peak_memory': (7, 0), 'step_time': (8, 0), 'kv_cache': (27, 0),
         'compile': (3, 0), 'mfu': (1, 1), 'vs_plain': (3, 3), 'bf16': (0, 0), 'mfu_dtype': (0, 0),
         'attention': (35, 35), 'profile': (8, 7), 'decode_policies': (18, 0), 'cache_memory': (0, 0),
-        'past_block': (5, 0), 'speculative': (5, 0)}
+        'past_block': (5, 0), 'speculative': (5, 0), 'moe': (90, 25)}
 COMPILE_COST = (120, 60)  # row 6 with --compile
 
 # (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model,
@@ -985,7 +1104,7 @@ MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), (
                 ('bf16', row_bf16), ('mfu_dtype', row_mfu_dtype), ('attention', row_attention),
                 ('profile', row_profile), ('decode_policies', row_policies),
                 ('cache_memory', row_cache_memory),
-                ('past_block', row_past_block), ('speculative', row_speculative))
+                ('past_block', row_past_block), ('speculative', row_speculative), ('moe', row_moe))
 
 
 # -----------------------------------------------------------------------------
@@ -1127,12 +1246,34 @@ def cells_speculative(row):
     return cells + [f"(weights {row['weights']}: the acceptance says nothing of a trained model)"]
 
 
+def cells_moe(row):
+    E, k = row['n_expert'], row['top_k']
+    how = lambda ok: 'grouped_mm' if ok else 'split loop'
+    cells = [(f"train step MoE (E {E}, top {k}) / dense, {SHORT[d]}, {how(row[f'grouped_mm_{d}'])}",
+              f"{row[f'ratio_{d}']:.2f}x (loop {row[f'loop_ratio_{d}']:.2f}x)", '<= 1.5' if i == 0 else '',
+              row[f'ratio_{d}'] <= 1.5) for i, d in enumerate(dtypes(row))]
+    cells.append(("peak step memory MoE / dense",
+                  f"{row['memory_ratio']:.2f} ({row['moe_mib']:.1f}/{row['dense_mib']:.1f} MiB)", '<= 1.3',
+                  row['memory_ratio'] <= 1.3))
+    cells.append((f"decode tok/s cached MoE / dense, {how(row['decode_grouped_mm'])}",
+                  f"{row['decode_ratio']:.2f}x ({row['decode_tok_s_moe']:.0f}/"
+                  f"{row['decode_tok_s_dense']:.0f})",
+                  'report', None))
+    pct = lambda who, d: f"{row[f'mfu_{who}_{d}'] * 100:.1f}%"
+    mfu = '; '.join(f"MFU {SHORT[d]} {pct('moe', d)} vs dense {pct('dense', d)}" for d in dtypes(row))
+    cells.append(f"(per-expert loop decodes {row['decode_tok_s_loop']:.0f} tok/s; FLOPs/token "
+                 f"{row['flops_per_token_moe'] / 1e6:.2f}M vs {row['flops_per_token_dense'] / 1e6:.2f}M, "
+                 f"k experts and router; {mfu}; {row['active_params_moe'] / 1e6:.2f}M of "
+                 f"{row['params_moe'] / 1e6:.2f}M params active)")
+    return cells
+
+
 TABLE = (('untied_vs_looped', cells_untied), ('peak_memory', cells_memory), ('step_time', cells_step_time),
          ('kv_cache', cells_kv_cache), ('adaptive_exit', cells_adaptive), ('compile', cells_compile),
          ('mfu', cells_mfu), ('vs_plain', cells_plain), ('bf16', cells_bf16), ('mfu_dtype', cells_mfu_dtype),
          ('attention', cells_attention), ('profile', cells_profile), ('decode_policies', cells_policies),
          ('cache_memory', cells_cache_memory), ('past_block', cells_past_block),
-         ('speculative', cells_speculative))
+         ('speculative', cells_speculative), ('moe', cells_moe))
 
 
 def table_line(i, what, value, target, met):

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on one CUDA GPU; installs nothing, needs no network.
-#   1. python lab/bench.py --device=cuda (GPU sizes, bf16 autocast, torch.compile row included)
+#   1. python lab/bench.py --device=cuda, rows 1-16 (GPU sizes, bf16 autocast, torch.compile row included)
 #   2. a short training run of config/paper_44m.py (bf16, compile=True, SDPA flash attention): tokens/s, MFU
 #   3. a short training run of config/deeploop_small.py, the 124M-class preset (target: MFU >= 45%)
-# Both training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
+#   4. Looped-MoE: bench row 17 at config/looped_moe_gpt2s.py's model (MoE / dense step time, grouped_mm vs
+#      the per-expert loop, memory, decoding), then a short training run of that preset: tokens/s, MFU
+# The training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
 # that has the network (or pass --input path/to/input.txt), and bring data/ along:
 #   python prepare.py shakespeare     # tinyshakespeare in GPT-2 BPE: data/shakespeare, ~300k train tokens
 # or your own text:  python prepare.py gutenberg --input path/to/books --tokenizer gpt2  and  DATA=gutenberg.
-# The vocabulary comes from the data's meta.json (paper_44m: GPT-2's 50257; deeploop_small sets 50304).
+# The vocabulary comes from the data's meta.json (paper_44m: GPT-2's 50257; deeploop_small and
+# looped_moe_gpt2s set 50304).
 # Then run, from anywhere, e.g.:  OUT=gpu_out bash lab/gpu_check.sh
-# Logs, bench_cuda.json and summary.txt go to $OUT (a relative path is taken from the repository root). Each
-# step has its own time limit so one slow step cannot take the others' time; the whole script stays under
-# ~9 minutes.
+# Logs, bench_cuda.json, bench_moe_cuda.json and summary.txt go to $OUT (a relative path is taken from the
+# repository root). Each step has its own time limit so one slow step cannot take the others' time (560 s in
+# all: the whole script stays under ~9.5 minutes). STEPS picks steps (default all): STEPS=moe bash
+# lab/gpu_check.sh is the Looped-MoE check alone, about 3.5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root: train.py, config/, data/
 OUT=${OUT:-gpu_out}
@@ -19,6 +23,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DATA=${DATA:-shakespeare}
+STEPS=" ${STEPS:-bench 44m 124m moe} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 {
   date -u '+%Y-%m-%d %H:%M UTC'
@@ -28,24 +34,42 @@ torch.cuda.get_device_name(), 'flash sdp', torch.backends.cuda.flash_sdp_enabled
   nproc
 } 2>&1 | tee "$OUT/env.txt"
 
-# 1. the benchmark table at GPU sizes (writes its JSON after every row, so a timeout keeps what was done)
-timeout 220 $PY lab/bench.py --device=cuda --out="$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log"
+# 1. the benchmark table at GPU sizes (writes its JSON after every row, so a timeout keeps what was done);
+#    row 17 (Looped-MoE) is step 4's
+if want bench; then
+  ROWS=$($PY -c "import sys; sys.path.insert(0, 'lab'); import bench; \
+print(','.join(name for name, _ in bench.MEASUREMENTS if name != 'moe'))")
+  timeout 140 $PY lab/bench.py --device=cuda --only="$ROWS" --out="$OUT/bench_cuda.json" 2>&1 \
+    | tee "$OUT/bench_cuda.log"
+fi
 
 # 2. paper_44m: as configured (batch 64 x 256, K=8 x R=4, per-loop CE), on the local data, 60 iterations
-timeout 120 $PY train.py config/paper_44m.py --dataset="$DATA" --max_iters=60 --eval_interval=100000 \
-  --eval_iters=1 --log_interval=5 --out_dir=/tmp/gpu_out_44m 2>&1 | tee "$OUT/train_44m.log"
+want 44m && timeout 90 $PY train.py config/paper_44m.py --dataset="$DATA" --max_iters=60 \
+  --eval_interval=100000 --eval_iters=1 --log_interval=5 --out_dir=/tmp/gpu_out_44m 2>&1 \
+  | tee "$OUT/train_44m.log"
 
 # 3. deeploop_small (124M-class: d 768, K=12 x R=3, T=1024): micro-batch 12 as configured, 4 accumulation
 #    steps instead of 40 so that an iteration is short, 25 iterations
-timeout 160 $PY train.py config/deeploop_small.py --dataset="$DATA" --gradient_accumulation_steps=4 \
-  --max_iters=25 --eval_interval=100000 --eval_iters=1 --log_interval=1 --warmup_iters=5 \
-  --out_dir=/tmp/gpu_out_124m 2>&1 | tee "$OUT/train_124m.log"
+want 124m && timeout 120 $PY train.py config/deeploop_small.py --dataset="$DATA" \
+  --gradient_accumulation_steps=4 --max_iters=25 --eval_interval=100000 --eval_iters=1 --log_interval=1 \
+  --warmup_iters=5 --out_dir=/tmp/gpu_out_124m 2>&1 | tee "$OUT/train_124m.log"
+
+# 4. Looped-MoE (GPT-2-small class: d 768, K=8 x R=2, top 2 of 8 experts, T=1024): bench row 17 at that
+#    model, then the preset as configured (compile=True; micro-batch 12) with 4 accumulation steps instead
+#    of 40, 25 iterations. MFU counts a token's 2 experts and the router (model.flops_per_token)
+if want moe; then
+  timeout 80 $PY lab/bench.py --device=cuda --only=moe --repeats=5 --out="$OUT/bench_moe_cuda.json" 2>&1 \
+    | tee "$OUT/bench_moe_cuda.log"
+  timeout 130 $PY train.py config/looped_moe_gpt2s.py --dataset="$DATA" --gradient_accumulation_steps=4 \
+    --max_iters=25 --eval_interval=100000 --eval_iters=1 --log_interval=1 --warmup_iters=5 \
+    --out_dir=/tmp/gpu_out_moe 2>&1 | tee "$OUT/train_moe.log"
+fi
 
 # summary: medians over the logged iterations after the first five (compilation and warm-up left out)
 $PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, os, re, statistics, sys
 out = sys.argv[1]
-for name in ('train_44m', 'train_124m'):
+for name in ('train_44m', 'train_124m', 'train_moe'):
     rows = []
     try:
         for line in open(os.path.join(out, name + '.log')):
@@ -53,14 +77,17 @@ for name in ('train_44m', 'train_124m'):
             if m and int(m.group(1)) >= 5:
                 rows.append((float(m.group(2)), float(m.group(3)), float(m.group(4) or 'nan')))
     except OSError:
-        pass
+        continue  # a step left out (STEPS)
     if rows:
         ms, tok, mfu = (statistics.median(c) for c in zip(*rows))
         print(f"{name}: {len(rows)} iterations, median {ms:.1f} ms/iter, {tok:.1f}k tok/s, MFU {mfu:.1f}%")
     else:
         print(f"{name}: no timed iterations (see {name}.log)")
-try:
-    print(json.load(open(os.path.join(out, 'bench_cuda.json')))['table'])
-except (OSError, KeyError, ValueError) as e:
-    print(f"bench_cuda.json: incomplete ({e!r})")
+for name in ('bench_cuda.json', 'bench_moe_cuda.json'):
+    try:
+        print(json.load(open(os.path.join(out, name)))['table'])
+    except FileNotFoundError:
+        pass  # a step left out (STEPS)
+    except (OSError, KeyError, ValueError) as e:
+        print(f"{name}: incomplete ({e!r})")
 EOF

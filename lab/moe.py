@@ -177,6 +177,23 @@ def ce_table(ev):
     return lines + [""]
 
 
+def paired_table(ev):
+    final = lambda name, s: ev.get(name, {}).get(s, {}).get('boundary_ce', [None])[-1]
+    seeds = sorted({s for runs in ev.values() for s in runs})
+    lines = ["### Paired by seed: full-depth CE and the shares the verdicts read", "",
+             "gap closed = (dense_looped - looped_moe) / (dense_looped - dense_unique); tied keeps = "
+             "(dense_looped - looped_moe_tied) / (dense_looped - looped_moe).", "",
+             "| seed | " + ' | '.join(ARMS) + " | gap closed | tied keeps |", "|---|" + "---|" * (len(ARMS) + 2)]
+    for s in seeds:
+        u, m, d, t = (final(n, s) for n in ('dense_unique', 'looped_moe', 'dense_looped', 'looped_moe_tied'))
+        share = lambda a, b: (a / b) if a is not None and b else None
+        closed = share(d - m, d - u) if None not in (u, m, d) else None
+        kept = share(d - t, d - m) if None not in (m, d, t) else None
+        lines.append(f"| {s} | " + ' | '.join(fmt(final(n, s), '.4f') for n in ARMS)
+                     + f" | {fmt(closed, '.2f')} | {fmt(kept, '.2f')} |")
+    return lines + [""]
+
+
 def routing_table(ev, arm):
     runs = ev.get(arm, {})
     pairs = {}
@@ -227,7 +244,7 @@ def plot_overlap(plt, ev, report_dir, prefix):
 
 def moe_report(arms, header, report_dir, prefix):
     ev = runs_of(arms)
-    lines = header + ce_table(ev) + routing_table(ev, 'looped_moe') + routing_table(ev, 'looped_moe_tied')
+    lines = header + ce_table(ev) + paired_table(ev) + routing_table(ev, 'looped_moe') + routing_table(ev, 'looped_moe_tied')
     lines += plot_overlap(plt_or_none(), ev, report_dir, prefix)
     return lines + verdict_block(verdicts(ev))
 

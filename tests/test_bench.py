@@ -14,7 +14,7 @@ import torch
 import bench
 
 ROWS = ('untied_vs_looped', 'peak_memory', 'step_time', 'kv_cache', 'adaptive_exit', 'compile', 'mfu',
-        'vs_plain', 'bf16', 'mfu_dtype', 'attention', 'profile')
+        'vs_plain', 'bf16', 'mfu_dtype', 'attention', 'profile', 'moe')
 
 
 @pytest.fixture(scope='module')
@@ -191,8 +191,8 @@ def tiny(**size):
 
 def test_decoding_rows_are_in_the_plan_and_the_table(tiny_run):
     res = tiny_run[0]
-    assert [name for name, *_ in bench.plan(tiny())][-4:] == list(DECODING_ROWS)
-    assert [name for name, _ in bench.TABLE][-4:] == list(DECODING_ROWS)
+    assert [name for name, *_ in bench.plan(tiny())][-5:-1] == list(DECODING_ROWS)  # before row 17 (moe)
+    assert [name for name, _ in bench.TABLE][12:16] == list(DECODING_ROWS)          # rows 13-16
     assert set(DECODING_ROWS) <= set(bench.COST)
     for name in DECODING_ROWS:
         assert 'error' not in res['rows'][name], res['rows'][name]
@@ -251,3 +251,54 @@ def test_shared_cache_memory_is_equal_across_R():
             assert mib[f'{p}_r16'] == pytest.approx(4 * mib[f'{p}_r4'])
         assert mib['active_r4'] > mib['recompute_r4']  # and the mask of who reached each visit
         assert row['ratio'] == 1.0
+
+
+def test_moe_row_reports_step_memory_decoding_and_the_active_flops():
+    # row 17 at the tiny size (fp32 and emulated bf16): every field, each ratio the ratio of the times beside
+    # it, and FLOPs per token that count k of E experts and the router: an expert is 4C/k wide, so the MoE's
+    # FLOPs are the dense model's plus the router's E x C weights at each of the K x R visits
+    row = bench.row_moe(tiny())['moe']
+    c = row['config']
+    E, C, K, R = row['n_expert'], c['n_embd'], c['n_layer'], c['n_loop']
+    assert (E, row['top_k'], row['expert_hidden']) == (8, 2, 4 * C // 2)
+    assert row['flops_per_token_moe'] - row['flops_per_token_dense'] == 6 * E * C * K * R
+    assert row['params_dense'] < row['active_params_moe'] < row['params_moe']
+    for d in bench.DTYPES:
+        dense, grouped, loop = (row[f'{who}_s_{d}'] for who in ('dense', 'grouped', 'loop'))
+        assert row[f'ratio_{d}'] == pytest.approx(grouped / dense)
+        assert row[f'loop_ratio_{d}'] == pytest.approx(loop / dense)
+        assert row[f'grouped_speedup_{d}'] == pytest.approx(loop / grouped)
+        assert row[f'grouped_tok_s_{d}'] == pytest.approx(c['batch_size'] * c['block_size'] / grouped)
+        assert row[f'grouped_mm_{d}'] in (True, False)
+        assert 0 < row[f'mfu_moe_{d}'] < 10 and 0 < row[f'mfu_dense_{d}'] < 10
+    assert row['ratio'] == max(row[f'ratio_{d}'] for d in bench.DTYPES)
+    assert row['dense_mib'] >= 0 and row['moe_mib'] >= 0 and row['state_mib_moe'] > row['state_mib_dense']
+    if row['dense_mib'] > 0:
+        assert row['memory_ratio'] == pytest.approx(row['moe_mib'] / row['dense_mib'])
+    assert row['decode_ratio'] == pytest.approx(row['decode_tok_s_moe'] / row['decode_tok_s_dense'])
+    assert row['decode_tok_s_loop'] > 0 and row['decode_grouped_mm'] in (True, False)
+    assert row['met'] in (True, False)
+    cells = bench.cells_moe(row)
+    assert [cell[0].split(', ')[-2] for cell in cells[:2]] == ['fp32', 'bf16']  # one line per dtype
+    assert f"{row['ratio_float32']:.2f}x (loop {row['loop_ratio_float32']:.2f}x)" == cells[0][1]
+    assert 'FLOPs/token' in cells[-1]
+    assert ('moe', bench.row_moe) == bench.MEASUREMENTS[-1] and bench.TABLE[-1][0] == 'moe'
+
+
+def test_moe_loop_column_runs_the_per_expert_loop_and_puts_the_grouped_one_back():
+    # the third column swaps kernels.moe (what model.py's MoE layers call) for kernels.moe_loop during the
+    # call only: the same loss through either, and the grouped dispatch back afterwards
+    import kernels
+    grouped, calls = kernels.moe, []
+
+    def spy(*args):
+        calls.append(1)
+        return kernels.moe_loop(*args)
+    model = bench.build(torch.device('cpu'), **bench.SIZES['tiny']['default'], **bench.EXPERTS)
+    X, Y = bench.batch(bench.SIZES['tiny']['default'], torch.device('cpu'))
+    with torch.no_grad():
+        loss = model(X, Y)[1]
+        loop_loss = bench.with_moe_kernel(lambda: model(X, Y)[1], spy)()
+    K, R = model.config.n_layer, model.config.n_loop
+    assert len(calls) == K * R and kernels.moe is grouped
+    assert torch.allclose(loss, loop_loss, atol=1e-5)
