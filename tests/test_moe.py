@@ -142,6 +142,27 @@ def hand_built(model, routes):
     model.moe_layers()[0].visits.extend(routes)
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_torch_compile_traces_the_moe_once_whatever_the_tokens_per_expert(dtype):
+    # bf16: F.grouped_mm traces, one graph for the whole model. float32: grouped_mm's meta kernel wants
+    # bf16, so the experts run eagerly behind a graph break. Either way new counts per expert recompile
+    # nothing after the first step, whose visits list starts empty (dynamo's CompileCounter counts the
+    # graphs; its eager backend keeps the values exact)
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    m, graphs = tiny(n_layer=1, n_loop=2), CompileCounter()
+    compiled = torch.compile(m, backend=graphs, dynamic=False)
+    seen = []
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        for seed in (1, 2, 3):  # other tokens, other counts per expert
+            X, Y = batch(seed=seed)
+            assert torch.equal(compiled(X, Y)[1], m(X, Y)[1])
+            seen.append(graphs.frame_count)
+    assert seen[1] == seen[2], f"recompiled: graphs after each call {seen}"
+    if dtype == torch.bfloat16:
+        assert seen[0] == 1, "the bf16 MoE should trace without a graph break"
+
+
 def test_balance_and_z_loss_equal_their_formulas_on_a_hand_built_router_output():
     # E = 4 experts, k = 2 slots per token, 3 tokens. Balance = E sum_i f_i P_i, with f_i the share of the
     # N k slots sent to expert i and P_i its mean router probability; z = mean_t logsumexp(logits_t)^2
