@@ -139,6 +139,13 @@ def verdicts(ev):
     kappas = [[p['kappa'] for *_, p in pairs_of(e) if p['kappa'] is not None]
               for e in ev.get('looped_moe', {}).values()]
     kappa_max, kappa_min = [max(k) for k in kappas if k], [min(k) for k in kappas if k]
+    cells = {}  # (layer, a, b) -> kappa per seed: how many cells lean each way, on the mean over seeds
+    for e in ev.get('looped_moe', {}).values():
+        for j, a, b, p in pairs_of(e):
+            cells.setdefault((j, a, b), []).append(p['kappa'])
+    signs = [mean(v) for v in cells.values() if None not in v]
+    lean = (f"; on the mean over seeds kappa > 0 in {sum(x > 0 for x in signs)} of {len(signs)} "
+            f"(layer, pair of loops) cells, < 0 in {sum(x < 0 for x in signs)}")
     tied = paired(ev, lambda d, m, t: (final(d) - final(t)) / (final(d) - final(m)),
                   'dense_looped', 'looped_moe', 'looped_moe_tied')
     out = [('experts close dense looping\'s gap to the unique model',
@@ -151,10 +158,11 @@ def verdicts(ev):
                      "boundary, below 0 in every seed")),
            ('routing diverges more than chance',
             *verdict(kappa_max, lambda x: x < 0, lambda x: x < 0,
-                     "computed: kappa < 0 in every layer and pair of loops (0: independent routing)")),
+                     "computed: kappa < 0 in every layer and pair of loops, per seed (0: independent "
+                     "routing)" + lean)),
            ('routing agrees more than chance',
             *verdict(kappa_min, lambda x: x > 0, lambda x: x > 0,
-                     "computed: kappa > 0 in every layer and pair of loops")),
+                     "computed: kappa > 0 in every layer and pair of loops, per seed" + lean)),
            ('tied routing loses the experts\' gain',
             *verdict(tied, lambda f: f < 0.5, lambda f: f < 0.5,
                      "computed: looped_moe_tied keeps under half of looped_moe's gain over dense_looped, "
@@ -221,7 +229,7 @@ def routing_table(ev, arm):
 def plot_overlap(plt, ev, report_dir, prefix):
     pairs = [p for e in ev.get('looped_moe', {}).values() for *_, p in pairs_of(e)]
     if plt is None or not pairs:
-        return []
+        return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     o = np.arange(len(pairs[0]['overlap']))
     ax1.bar(o - 0.2, np.mean([p['overlap'] for p in pairs], 0), 0.4, label='looped_moe')
@@ -239,13 +247,15 @@ def plot_overlap(plt, ev, report_dir, prefix):
     ax2.set(ylabel='kappa (0 = chance)', xlabel='layer, loops')
     ax2.tick_params(axis='x', rotation=60)
     ax2.legend()
+    fig.tight_layout()
     return save(fig, plt, report_dir, f'{prefix}_routing.png')
 
 
 def moe_report(arms, header, report_dir, prefix):
     ev = runs_of(arms)
     lines = header + ce_table(ev) + paired_table(ev) + routing_table(ev, 'looped_moe') + routing_table(ev, 'looped_moe_tied')
-    lines += plot_overlap(plt_or_none(), ev, report_dir, prefix)
+    plot = plot_overlap(plt_or_none(), ev, report_dir, prefix)
+    lines += [f"![{plot}]({plot})", ""] if plot else []
     return lines + verdict_block(verdicts(ev))
 
 

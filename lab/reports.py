@@ -1093,8 +1093,10 @@ def report_header(preset, jobs, n_arms, args, sweep):
 def summary(arms):
     """<prefix>.json: per arm and seed, the status, the last metrics row and eval_depth's main results."""
     keys = ('fixed', 'dppl_1_to_R', 'calibrated', 'clamp', 'radial_frac', 'throughput')
+    moe = lambda r: read_json(os.path.join(r['out_dir'], 'moe_eval.json'))  # lab/moe.py's evaluation
     return {name: [dict(seed=r['seed'], status=r['status'], final=r['rows'][-1] if r['rows'] else None,
-                        depth={k: r['depth'][k] for k in keys} if r['depth'] else None)
+                        depth={k: r['depth'][k] for k in keys} if r['depth'] else None,
+                        **({'moe_eval': moe(r)} if moe(r) else {}))
                    for r in runs] for name, runs in arms.items()}
 
 
