@@ -450,7 +450,8 @@ def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False):
 def cost(job):
     """A run's relative cost: layer visits x iterations (to order the runs and to estimate the time left)."""
     cfg = job['cfg']
-    return (cfg['n_prelude'] + cfg['n_layer'] * cfg['n_loop'] + cfg['n_coda']) * cfg['max_iters']
+    visits = cfg.get('n_prelude', 0) + cfg.get('n_layer', 1) * cfg['n_loop'] + cfg.get('n_coda', 0)
+    return visits * cfg['max_iters']
 
 
 def progress_logger(jobs, n_workers, t0):

@@ -191,7 +191,8 @@ def paired_table(ev):
     lines = ["### Paired by seed: full-depth CE and the shares the verdicts read", "",
              "gap closed = (dense_looped - looped_moe) / (dense_looped - dense_unique); tied keeps = "
              "(dense_looped - looped_moe_tied) / (dense_looped - looped_moe).", "",
-             "| seed | " + ' | '.join(ARMS) + " | gap closed | tied keeps |", "|---|" + "---|" * (len(ARMS) + 2)]
+             "| seed | " + ' | '.join(ARMS) + " | gap closed | tied keeps |",
+             "|---|" + "---|" * (len(ARMS) + 2)]
     for s in seeds:
         u, m, d, t = (final(n, s) for n in ('dense_unique', 'looped_moe', 'dense_looped', 'looped_moe_tied'))
         share = lambda a, b: (a / b) if a is not None and b else None
@@ -253,7 +254,8 @@ def plot_overlap(plt, ev, report_dir, prefix):
 
 def moe_report(arms, header, report_dir, prefix):
     ev = runs_of(arms)
-    lines = header + ce_table(ev) + paired_table(ev) + routing_table(ev, 'looped_moe') + routing_table(ev, 'looped_moe_tied')
+    lines = header + ce_table(ev) + paired_table(ev)
+    lines += routing_table(ev, 'looped_moe') + routing_table(ev, 'looped_moe_tied')
     plot = plot_overlap(plt_or_none(), ev, report_dir, prefix)
     lines += [f"![{plot}]({plot})", ""] if plot else []
     return lines + verdict_block(verdicts(ev))
