@@ -392,6 +392,13 @@ def json_safe(obj):
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
+def write_json(out, res):
+    """res as JSON at out, written whole or not at all (a .tmp file, then a rename)."""
+    with open(out + '.tmp', 'w', encoding='utf-8') as f:
+        json.dump(json_safe(res), f, indent=1, allow_nan=False)
+    os.replace(out + '.tmp', out)
+
+
 def cpu_threads():
     """torch's threads on a CPU: OMP_NUM_THREADS where the user set it (on a shared machine more threads
     than free cores made a run 6x slower), else the cores this process may use (ablate.py pins them)."""
@@ -456,9 +463,7 @@ def main(argv=None):
     print_report(res, f"eval_depth: {ckpt_path} (iter {ckpt.get('iter_num')}; {cfg.supervision} supervision, "
                       f"{cfg.readout} readout, {cfg.block} block, K={cfg.n_layer} R={cfg.n_loop})")
     out = args.json or os.path.join(os.path.dirname(ckpt_path) or '.', 'eval_depth.json')
-    with open(out + '.tmp', 'w', encoding='utf-8') as f:
-        json.dump(json_safe(res), f, indent=1, allow_nan=False)
-    os.replace(out + '.tmp', out)
+    write_json(out, res)
     print(f"wrote {out} ({res['seconds']:.1f}s)")
 
 

@@ -17,8 +17,6 @@ The report's verdicts, each computed from the runs, paired by seed:
   (c) routing diverges more than chance: kappa < 0 in every layer and pair of loops (> 0: agrees more)
   (d) tied routing loses what the experts gained: looped_moe_tied keeps under half the gain of (a)
 """
-import argparse
-import json
 import os
 import sys
 
@@ -31,7 +29,7 @@ sys.path.insert(0, LAB)
 import checkpoint
 import kernels
 from errors import Parser, die
-from eval_depth import cpu_threads, val_windows
+from eval_depth import cpu_threads, val_windows, write_json
 from prepare import load_meta
 from reports import fmt, mean, plt_or_none, read_json, save, std, verdict_block
 from routing import collect, divergence
@@ -98,9 +96,7 @@ def main(argv=None):
         print(f"  layer {j} loops {a}-{b}: kappa {fmt(p['kappa'], '+.3f')}, disjoint {p['overlap'][0]:.3f} "
               f"(chance {p['chance'][0]:.3f})")
     out = args.json or os.path.join(args.out_dir, 'moe_eval.json')
-    with open(out + '.tmp', 'w', encoding='utf-8') as f:
-        json.dump(res, f, indent=1)
-    os.replace(out + '.tmp', out)
+    write_json(out, res)
     print(f"wrote {out}")
 
 # -----------------------------------------------------------------------------

@@ -21,7 +21,6 @@ sum_e 1 - prod_r (1 - p_r(e)) from the loops' marginals), and the load max/mean 
 (default <out_dir>/routing.json).
 """
 import itertools
-import json
 import math
 import os
 import sys
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
 from errors import Parser, die
-from eval_depth import cpu_threads, json_safe, val_windows
+from eval_depth import cpu_threads, val_windows, write_json
 from prepare import load_meta
 
 # -----------------------------------------------------------------------------
@@ -230,9 +229,7 @@ def main(argv=None):
                       f"top-{cfg.top_k} of {E} experts{', tied routing' if cfg.tied_routing else ''}; "
                       f"{X.size(0)} windows x {X.size(1)} tokens on {device})")
     out = args.json or os.path.join(os.path.dirname(ckpt_path) or '.', 'routing.json')
-    with open(out + '.tmp', 'w', encoding='utf-8') as f:
-        json.dump(json_safe(res), f, indent=1, allow_nan=False)
-    os.replace(out + '.tmp', out)
+    write_json(out, res)
     print(f"wrote {out} ({res['seconds']:.1f}s)")
 
 

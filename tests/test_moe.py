@@ -13,7 +13,6 @@ import textwrap
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import save_tiny_checkpoint
