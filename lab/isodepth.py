@@ -259,11 +259,13 @@ PAPER_PHI = dict(baseline=0.459, truncated=0.380, hyper=0.646)  # the paper's po
 # channels, the widths of each FLOP budget, r, the seeds (the second on a few cells: the run-to-run noise),
 # the evaluations after step 0 (the last gives the loss; more leave checkpoints to resume from)
 SWEEPS = {
-    # 4 widths x 3 budgets x 4 r = 48 runs (docs/isodepth.md: the design that constrains phi), + 4 noise runs
-    # (~123k-1.1M parameters: Chinchilla's 20 tokens per parameter puts the optimum at ~110k-320k)
+    # 4 widths x 3 budgets x 4 r = 48 runs (docs/isodepth.md: the design that constrains phi), + 4 noise runs.
+    # The widths move up with the budget, as the paper's do, so the widest model of a budget still trains
+    # ~140 steps or more. Measured on a 2-vCPU EPYC, one core per run: ~10 GFLOP/s at d 32, 20 at d 48,
+    # 25-30 at d 64-128, so about 2 core-hours in all (--dry_run --cpu_gflops=18 for this plan)
     'laptop': dict(base='config/laptop_isodepth.py', prelude=1, looped=8, coda=1, head=16,
-                   grid={b: (32, 48, 64, 96) for b in (1.5e12, 4.5e12, 1.2e13)}, rs=(1, 2, 4, 8),
-                   seeds=(1, 2), evals=1),
+                   grid={7.5e11: (32, 48, 64, 80), 2.25e12: (32, 48, 64, 96), 6e12: (48, 64, 96, 128)},
+                   rs=(1, 2, 4, 8), seeds=(1, 2), evals=1),
     # the paper's grid: d = 64 s (heads of 128), s per budget as its scripts (shells/scaling_laws), 2 + 16 + 2
     'gpu': dict(base='config/isodepth_gpu.py', prelude=2, looped=16, coda=2, head=128,
                 grid={4.64e17: (384, 512, 640, 768), 1e18: (384, 512, 640, 768, 896),
