@@ -5,6 +5,10 @@
 #   3. a short training run of config/deeploop_small.py, the 124M-class preset (target: MFU >= 45%)
 #   4. Looped-MoE: bench row 17 at config/looped_moe_gpt2s.py's model (MoE / dense step time, grouped_mm vs
 #      the per-expert loop, memory, decoding), then a short training run of that preset: tokens/s, MFU
+#   5. (STEPS=iso only) the iso-depth law on a reduced grid: d 128/256/384 x budgets 2e14, 6e14 FLOPs x
+#      r 1/2/4/8 of the paper's 2 + 16 + 2 blocks, context 256, 8 runs at once on the one GPU, eager; the
+#      fit and its report go to $OUT/iso (24 runs + 4 noise runs: the fit may say "not identified", the
+#      point is the runs' speed, to size the paper's grid from)
 # The training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
 # that has the network (or pass --input path/to/input.txt), and bring data/ along:
 #   python prepare.py shakespeare     # tinyshakespeare in GPT-2 BPE: data/shakespeare, ~300k train tokens
@@ -15,7 +19,7 @@
 # Logs, bench_cuda.json, bench_moe_cuda.json and summary.txt go to $OUT (a relative path is taken from the
 # repository root). Each step has its own time limit so one slow step cannot take the others' time (560 s in
 # all: the whole script stays under ~9.5 minutes). STEPS picks steps (default all): STEPS=moe bash
-# lab/gpu_check.sh is the Looped-MoE check alone, about 3.5 minutes.
+# lab/gpu_check.sh is the Looped-MoE check alone, about 3.5 minutes; STEPS=iso is step 5 alone, within 5.
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root: train.py, config/, data/
 OUT=${OUT:-gpu_out}
@@ -64,6 +68,12 @@ if want moe; then
     --max_iters=25 --eval_interval=100000 --eval_iters=1 --log_interval=1 --warmup_iters=5 \
     --out_dir=/tmp/gpu_out_moe 2>&1 | tee "$OUT/train_moe.log"
 fi
+
+# 5. the iso-depth reduced grid (lab/isodepth.py's runner: a finished run is skipped on a second call)
+want iso && timeout 300 $PY lab/isodepth.py --preset=gpu --budgets=2e14,6e14 --widths=128,256,384 \
+  --dataset="$DATA" --block_size=256 --batch_size=16 --gradient_accumulation_steps=1 --compile=False \
+  --eval_iters=5 --log_interval=100 --workers=8 --starts=100 --resamples=50 --out=/tmp/gpu_iso \
+  --report_dir="$OUT/iso" 2>&1 | tee "$OUT/isodepth.log"
 
 # summary: medians over the logged iterations after the first five (compilation and warm-up left out)
 $PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"

@@ -443,6 +443,47 @@ def phi_cells(res):
             fmt(q['free']['rmse'], '.4f')]
 
 
+def ci_overlap(a, b):
+    """How much of the narrower of two intervals the other covers: 0 disjoint, 1 nested."""
+    inter = min(a[1], b[1]) - max(a[0], b[0])
+    return max(0.0, inter) / max(min(a[1] - a[0], b[1] - b[0]), 1e-12)
+
+
+def verdicts(cases):
+    """The "### Verdicts" lines (the project's vocabulary, docs/results.md) from the cases' fits. One seed
+    per (budget, r) cell: the bootstrap CI over cells is the spread these verdicts rest on."""
+    base = cases.get('baseline', {})
+    lines = ["### Verdicts", ""]
+    if base.get('phi') is None:
+        why = base.get('error') or 'its 95 % CI is wider than %g' % PHI_CI_WIDTH
+        lines.append(f"- a loop is worth part of a unique block (0 < phi < 1): not tested (1 seed); phi is "
+                     f"not identified: {why}")
+    else:
+        lo, hi = base['phi_ci']
+        word = ('reproduces' if 0 < lo and hi < 1 else 'direction only' if 0 < base['phi'] < 1
+                else 'does not reproduce')
+        q = base['fits']
+        lines.append(f"- a loop is worth part of a unique block (0 < phi < 1): {word} (1 seed); phi "
+                     f"{fmt(base['phi'])}, 95 % CI [{fmt(lo)}, {fmt(hi)}]; R^2 {fmt(q['free']['r2'], '.4f')} "
+                     f"free, {fmt(q['phi=0']['r2'], '.4f')} at phi = 0, {fmt(q['phi=1']['r2'], '.4f')} at "
+                     f"phi = 1; reproduces if the CI lies inside (0, 1), direction only if the point fit does")
+    for case, claim, sign in (('truncated', 'truncated backprop lowers phi', -1),
+                              ('hyper', 'hyper-connections raise phi', +1)):
+        res = cases.get(case, {})
+        if base.get('phi') is None or res.get('phi') is None:
+            why = res.get('error') or ('phi not identified' if res else 'the case has not run')
+            lines.append(f"- {claim}: not tested (1 seed); {why}")
+            continue
+        d = sign * (res['phi'] - base['phi'])
+        apart = (res['phi_ci'][0] > base['phi_ci'][1]) if sign > 0 else (res['phi_ci'][1] < base['phi_ci'][0])
+        word = 'reproduces' if apart else 'direction only' if d > 0 else 'does not reproduce'
+        lines.append(f"- {claim}: {word} (1 seed); phi {fmt(res['phi'])} [{fmt(res['phi_ci'][0])}, "
+                     f"{fmt(res['phi_ci'][1])}] against the baseline's {fmt(base['phi'])}; the CIs overlap "
+                     f"over {fmt(ci_overlap(res['phi_ci'], base['phi_ci']), '.2f')} of the narrower; "
+                     f"reproduces if the CIs are apart in the claimed order, direction only if the points are")
+    return lines + [""]
+
+
 def report_lines(out, jobs, sweep_info):
     cfg = jobs[0]['cfg']
     n = out['noise']
@@ -464,7 +505,7 @@ def report_lines(out, jobs, sweep_info):
     for row in out['runs']:
         lines.append(f"| {row['name']} | {row['n_once']:,} | {row['n_rec']:,} | {row['r']} | "
                      f"{row['steps']:,} | {row['tokens']:,} | {fmt(row['loss'], '.4f')} |")
-    return lines + [""]
+    return lines + [""] + verdicts(out['cases'])
 
 
 def plots(out, report_dir):

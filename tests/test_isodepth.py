@@ -413,6 +413,33 @@ def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp
         assert f"| {row['name']} |" in md and f"{row['loss']:.4f} |" in md
 
 
+def fitted(phi, lo, hi):
+    return dict(phi=phi, phi_ci=[lo, hi], fits={k: dict(r2=0.99) for k in ('free', 'phi=0', 'phi=1')})
+
+
+def verdict(lines, claim):
+    return next(line for line in lines if line.startswith(f'- {claim}')).split(': ')[1].split(' (')[0]
+
+
+@pytest.mark.parametrize('base,truncated,hyper,words', [
+    ((0.46, 0.41, 0.53), (0.30, 0.20, 0.38), (0.65, 0.58, 0.72), ('reproduces',) * 3),
+    ((0.46, 0.30, 1.10), (0.40, 0.20, 0.60), (0.50, 0.30, 0.70), ('direction only',) * 3),
+    ((1.20, 1.05, 1.30), (1.30, 1.10, 1.50), (1.10, 1.00, 1.20), ('does not reproduce',) * 3),
+])
+def test_phi_verdicts_ask_the_ci_inside_0_1_and_the_case_cis_apart_in_the_papers_order(base, truncated,
+                                                                                       hyper, words):
+    lines = isodepth.verdicts(dict(baseline=fitted(*base), truncated=fitted(*truncated), hyper=fitted(*hyper)))
+    claims = ('a loop is worth part', 'truncated backprop lowers phi', 'hyper-connections raise phi')
+    assert tuple(verdict(lines, c) for c in claims) == words
+
+
+def test_phi_verdicts_say_not_tested_without_a_measured_phi():
+    lines = isodepth.verdicts(dict(baseline=fitted(0.46, 0.41, 0.53), truncated=dict(error='no finished run'),
+                                   hyper=dict(fitted(0.5, -1.0, 2.0), phi=None)))
+    assert verdict(lines, 'truncated') == verdict(lines, 'hyper') == 'not tested'
+    assert isodepth.ci_overlap((0, 1), (0.5, 0.7)) == 1 and isodepth.ci_overlap((0, 1), (2, 3)) == 0
+
+
 BAD_SWEEPS = {  # flags -> what the one line says
     'r_not_dividing': (['--rs=1,3'], 'r = 3 does not divide the 2 looped blocks'),
     'one_budget': (['--budgets=6e7'], 'one FLOP budget cannot identify phi'),
@@ -440,3 +467,15 @@ def test_laptop_preset_is_4_widths_x_3_budgets_x_4_r_with_a_second_seed_on_4_cel
     out = capsys.readouterr().out
     assert 'laptop: 52 runs of case(s) baseline' in out
     assert out.count(' on a CPU core') == 52 and 'total: 52 CPU runs' in out
+
+
+def test_the_gpu_checks_iso_step_plans_a_reduced_grid_of_the_papers_model(repo_dir, monkeypatch, capsys):
+    # lab/gpu_check.sh step 5, as written there, planned here: 3 widths x 2 budgets x 4 r + 4 noise runs
+    script = (repo_dir / 'lab' / 'gpu_check.sh').read_text().replace('\\\n', ' ')
+    line = next(line for line in script.splitlines() if line.startswith('want iso'))
+    flags = line.split('lab/isodepth.py ')[1].split(' 2>&1')[0].replace('"$DATA"', 'shakespeare')
+    monkeypatch.chdir(repo_dir)
+    isodepth.main([*flags.replace('"$OUT/iso"', 'unused').split(), '--dry_run'])
+    out = capsys.readouterr().out
+    assert 'gpu: 28 runs of case(s) baseline' in out and out.count('--compile=False') == 28
+    assert '--n_embd=384 --n_head=3 --n_prelude=2 --n_layer=2 --n_loop=8 --n_coda=2' in out
