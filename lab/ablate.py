@@ -8,7 +8,7 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
     python lab/ablate.py matched_long  # the same at 1,000, 3,000 and 10,000 steps of one run, 2 seeds
     python lab/ablate.py init_split  # the blind-spot pair under each init's embedding and block matrices
     python lab/ablate.py init_gpt2   # the blind-spot pair under GPT-2's init, 3 seeds
-    python lab/ablate.py deeploop    # paper 2: sandwich p in {0, 1/4, 1/2} vs pre-norm, R 1/3/5/7, 2 LRs
+    python lab/ablate.py deeploop    # paper 2: sandwich p 0, 1/4, 1/2 vs pre-norm, R 1-7, 4-5 LRs a block
     python lab/ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
     python lab/ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10k steps
     python lab/ablate.py probes      # the radial-clamp cost vs length and LR, the inter-loop-norm arm
@@ -115,7 +115,7 @@ PRESETS = {
         ]),
     'deeploop': dict(
         title="Paper 2, DeepLoop: sandwich p in {0, 1/4, 1/2} vs pre-norm, R in {1, 3, 5, 7}, "
-              "four LRs per block",
+              "LRs 1e-4 .. 3e-3 (pre-norm) and 1e-4 .. 1e-2 (sandwich)",
         laptop='config/laptop_deeploop.py', seeds=(1, 2, 3), eval_depth=False, report='deeploop',
         arms=[arm(f'{v}-R{R}-lr{lr:g}', block=block, depth_scaling=ds, n_loop=R, learning_rate=lr,
                   tags=dict(variant=v, R=R, lr=lr))

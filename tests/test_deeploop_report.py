@@ -117,8 +117,8 @@ def test_trainability_counts_stuck_runs_at_interior_lrs_only():
         return verdicts(runs)[reports.TRAINABILITY]
     word, n, how = stuck_at({('sandwich_p0', 7, 3e-3), ('sandwich_p0.25', 7, 1e-3)})
     assert (word, n) == ('reproduces', 3)
-    assert 'sandwich_p0 1/48 over the grid (R = 7 lr 0.003 seed 1), 1/24 at lr 0.001 / 0.003;' in how
-    assert 'sandwich_p0.5 0/48 over the grid, 0/24 at lr 0.001 / 0.003;' in how
+    assert 'sandwich_p0 1/60 over the grid (R = 7 lr 0.003 seed 1), 1/36 at lr 0.0003 / 0.001 / 0.003;' in how
+    assert 'sandwich_p0.5 0/60 over the grid, 0/36 at lr 0.0003 / 0.001 / 0.003;' in how
     # stuck only at the grid's largest LR: an LR too large for that block, which is no reading of p
     assert stuck_at({('sandwich_p0', 7, 1e-2), ('sandwich_p0.25', 7, 1e-2)})[0] == 'does not reproduce'
     # p = 1/2 stuck too, but less often than each smaller p
@@ -136,5 +136,5 @@ def test_the_verdict_block_is_what_test_claims_binds_and_no_verdict_lines_bind_n
     assert f"- {reports.REVISITED}: no verdict; best LR at the grid's edge in cell sandwich_p0.5, R = 5" \
         in '\n'.join(block)
     table = '\n'.join(reports.verdict_cells_table(vs, cell))
-    assert ('| sandwich_p0.5 | 5 | 0.01 | 0.0003 / 0.001 / 0.003 / 0.01 | 2.200 | 0.010 | 3 | *edge* | '
-            f'0 of 12 | {reports.REVISITED}; {reports.REASON} |') in table
+    assert ('| sandwich_p0.5 | 5 | 0.01 | 0.0001 / 0.0003 / 0.001 / 0.003 / 0.01 | 2.200 | 0.010 | 3 | '
+            f'*edge* | 0 of 15 | {reports.REVISITED}; {reports.REASON} |') in table
