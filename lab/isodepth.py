@@ -466,7 +466,8 @@ def verdicts(cases):
         lines.append(f"- a loop is worth part of a unique block (0 < phi < 1): {word} (1 seed); phi "
                      f"{fmt(base['phi'])}, 95 % CI [{fmt(lo)}, {fmt(hi)}]; R^2 {fmt(q['free']['r2'], '.4f')} "
                      f"free, {fmt(q['phi=0']['r2'], '.4f')} at phi = 0, {fmt(q['phi=1']['r2'], '.4f')} at "
-                     f"phi = 1; reproduces if the CI lies inside (0, 1), direction only if the point fit does")
+                     f"phi = 1; reproduces if the CI lies inside (0, 1), direction only if the point "
+                     f"fit does")
     for case, claim, sign in (('truncated', 'truncated backprop lowers phi', -1),
                               ('hyper', 'hyper-connections raise phi', +1)):
         res = cases.get(case, {})
@@ -480,7 +481,8 @@ def verdicts(cases):
         lines.append(f"- {claim}: {word} (1 seed); phi {fmt(res['phi'])} [{fmt(res['phi_ci'][0])}, "
                      f"{fmt(res['phi_ci'][1])}] against the baseline's {fmt(base['phi'])}; the CIs overlap "
                      f"over {fmt(ci_overlap(res['phi_ci'], base['phi_ci']), '.2f')} of the narrower; "
-                     f"reproduces if the CIs are apart in the claimed order, direction only if the points are")
+                     f"reproduces if the CIs are apart in the claimed order, direction only if the "
+                     f"points are")
     return lines + [""]
 
 

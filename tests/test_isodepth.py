@@ -428,7 +428,8 @@ def verdict(lines, claim):
 ])
 def test_phi_verdicts_ask_the_ci_inside_0_1_and_the_case_cis_apart_in_the_papers_order(base, truncated,
                                                                                        hyper, words):
-    lines = isodepth.verdicts(dict(baseline=fitted(*base), truncated=fitted(*truncated), hyper=fitted(*hyper)))
+    fits = dict(baseline=fitted(*base), truncated=fitted(*truncated), hyper=fitted(*hyper))
+    lines = isodepth.verdicts(fits)
     claims = ('a loop is worth part', 'truncated backprop lowers phi', 'hyper-connections raise phi')
     assert tuple(verdict(lines, c) for c in claims) == words
 
