@@ -32,6 +32,7 @@ The sweep trains such a table here, through lab/ablate.py's runners (local, or -
     python lab/isodepth.py --case=truncated          # backprop through the last ceil(r/2) loops
     python lab/isodepth.py --case=hyper              # 2-lane hyper-connections (r = 1 shared)
     python lab/isodepth.py --preset=gpu --dry_run    # the paper's grid and its GPU-hours
+    python lab/isodepth.py --report_only             # refit the finished runs, training none
 
 Iso-depth: prelude + (looped / r) blocks x r + coda, r in {1, 2, 4, 8}, the widths of each FLOP budget, one
 seed per cell and a second on four baseline cells (the run-to-run noise), terminal supervision; a run's
@@ -574,8 +575,8 @@ def sweep(args):
         print(f"{args.preset}: {len(todo)} runs of case(s) {', '.join(args.case)}")
         dry_run(todo, launcher, args)
         return None
-    preset = dict(eval_depth=False)  # the runner's preset keys: the final val loss is all the law needs
-    run_sweep(todo, preset, launcher, args)
+    if not args.report_only:  # (a call that trains nothing would leave a wall time of 0 in sweep.json)
+        run_sweep(todo, dict(eval_depth=False), launcher, args)  # the final val loss is all the law needs
     return sweep_report(jobs, args, read_json(os.path.join(args.out, 'sweep.json'), {}))
 
 # -----------------------------------------------------------------------------
@@ -611,6 +612,7 @@ def parser():
     ap.add_argument('--base', action='append', default=[], help="config file(s) replacing the preset's base")
     ap.add_argument('--out', default=None, help='runs go to <out>/<run>; default out-isodepth-<preset>')
     ap.add_argument('--report_dir', default=None, help='default: assets/ for the laptop preset, else <out>')
+    ap.add_argument('--report_only', action='store_true', help='fit the finished runs only, training none')
     runner_flags(ap)
     ap.add_argument('--starts', type=int, default=500, help='random starts of each fit')
     ap.add_argument('--resamples', type=int, default=200, help='bootstrap resamples of the cells')
