@@ -413,7 +413,7 @@ def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp
         assert f"| {row['name']} |" in md and f"{row['loss']:.4f} |" in md
 
 
-def fitted(phi, lo, hi):
+def fit_result(phi, lo, hi):
     return dict(phi=phi, phi_ci=[lo, hi], fits={k: dict(r2=0.99) for k in ('free', 'phi=0', 'phi=1')})
 
 
@@ -428,15 +428,16 @@ def verdict(lines, claim):
 ])
 def test_phi_verdicts_ask_the_ci_inside_0_1_and_the_case_cis_apart_in_the_papers_order(base, truncated,
                                                                                        hyper, words):
-    fits = dict(baseline=fitted(*base), truncated=fitted(*truncated), hyper=fitted(*hyper))
+    fits = dict(baseline=fit_result(*base), truncated=fit_result(*truncated), hyper=fit_result(*hyper))
     lines = isodepth.verdicts(fits)
     claims = ('a loop is worth part', 'truncated backprop lowers phi', 'hyper-connections raise phi')
     assert tuple(verdict(lines, c) for c in claims) == words
 
 
 def test_phi_verdicts_say_not_tested_without_a_measured_phi():
-    lines = isodepth.verdicts(dict(baseline=fitted(0.46, 0.41, 0.53), truncated=dict(error='no finished run'),
-                                   hyper=dict(fitted(0.5, -1.0, 2.0), phi=None)))
+    fits = dict(baseline=fit_result(0.46, 0.41, 0.53), truncated=dict(error='no finished run'),
+                hyper=dict(fit_result(0.5, -1.0, 2.0), phi=None))
+    lines = isodepth.verdicts(fits)
     assert verdict(lines, 'truncated') == verdict(lines, 'hyper') == 'not tested'
     assert isodepth.ci_overlap((0, 1), (0.5, 0.7)) == 1 and isodepth.ci_overlap((0, 1), (2, 3)) == 0
 
