@@ -390,10 +390,9 @@ FAKE = ['--preset=tiny', '--out=runs', '--report_dir=rep', '--widths=16,24,32,48
 
 
 def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp_path, monkeypatch):
-    fake_runs(tmp_path)
-    trained = []
-    monkeypatch.setattr(isodepth, 'run_sweep', lambda *a: trained.append(a))  # every run is there
-    isodepth.main(FAKE)
+    fake_runs(tmp_path)  # every run is there: --report_only refits them and trains none
+    monkeypatch.setattr(isodepth, 'run_sweep', lambda *a: pytest.fail('--report_only started the runner'))
+    isodepth.main([*FAKE, '--report_only'])
     res = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())
     md = (tmp_path / 'rep' / 'isodepth.md').read_text()
     for case in isodepth.CASES:
