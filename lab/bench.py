@@ -1059,6 +1059,7 @@ def row_moe(run):
     # peak memory of one step (forward + backward), as row 2; the parameters, their gradients and AdamW's
     # two moments (4 x the fp32 weights) are resident before it, and an MoE has E/k times the MLP's weights
     (dense_mib, method), (moe_mib, _) = (step_peak_mib(dict(spec, **kw), run.device) for kw in ({}, EXPERTS))
+    dense_mib, moe_mib = max(dense_mib, 0.0), max(moe_mib, 0.0)  # a CPU peak within the allocator's noise
     out.update(memory_ratio=moe_mib / dense_mib if dense_mib > 0 else math.nan, dense_mib=dense_mib,
                moe_mib=moe_mib, memory_method=method,
                **{f'state_mib_{who}': 16 * out[f'params_{who}'] / 2 ** 20 for who in ('dense', 'moe')})
