@@ -262,7 +262,7 @@ PAPER_PHI = dict(baseline=0.459, truncated=0.380, hyper=0.646)  # the paper's po
 SWEEPS = {
     # 4 widths x 3 budgets x 4 r = 48 runs (docs/isodepth.md: the design that constrains phi), + 4 noise runs.
     # The widths move up with the budget, as the paper's do, so the widest model of a budget still trains
-    # ~140 steps or more. Measured on a 2-vCPU EPYC, one core per run: ~10 GFLOP/s at d 32, 20 at d 48,
+    # ~120 steps or more. Measured on a 2-vCPU EPYC, one core per run: ~10 GFLOP/s at d 32, 20 at d 48,
     # 25-30 at d 64-128, so about 2 core-hours in all (--dry_run --cpu_gflops=18 for this plan)
     'laptop': dict(base='config/laptop_isodepth.py', prelude=1, looped=8, coda=1, head=16,
                    grid={7.5e11: (32, 48, 64, 80), 2.25e12: (32, 48, 64, 96), 6e12: (48, 64, 96, 128)},
