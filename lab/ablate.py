@@ -394,15 +394,18 @@ def wants_eval(run_dir, status, do_eval, reeval):
             and os.path.exists(os.path.join(run_dir, 'ckpt.pt')))
 
 
-def run_lengths(job, launcher, eval_args, popen_kwargs):
-    """A run evaluated as it grows: trained to each of job['lengths'] in turn, each a resume of the last
-    (at a constant LR, one run stopped and continued), with eval_depth.py on the checkpoint at each length
-    (eval_depth-<L>.json). status.json notes each length done, so a sweep killed mid-way continues from
-    the run's last checkpoint when it is called again. Returns the status and whether there was work."""
+def run_lengths(job, launcher, eval_args, popen_kwargs, upto=None):
+    """A run evaluated as it grows: trained to each of job['lengths'] (up to `upto`) in turn, each a resume
+    of the last (at a constant LR, one run stopped and continued), with eval_depth.py on the checkpoint at
+    each length (eval_depth-<L>.json). status.json notes each length done, so a sweep killed mid-way
+    continues from the run's last checkpoint when it is called again. Returns the status and whether there
+    was work."""
     run_dir = job['out_dir']
     status, worked = read_status(run_dir), False
     done = status.setdefault('lengths', {})
     for L in job['lengths']:
+        if upto and L > upto:
+            break
         if done.get(str(L)) == 'done':
             continue
         status.update(train(job, launcher, popen_kwargs, max_iters=L), eval=None)
@@ -418,11 +421,11 @@ def run_lengths(job, launcher, eval_args, popen_kwargs):
     return status, worked
 
 
-def run_job(job, launcher, do_eval, eval_args, popen_kwargs, reeval=False):
+def run_job(job, launcher, do_eval, eval_args, popen_kwargs, reeval=False, upto=None):
     """Train one run (resuming an interrupted one), then evaluate it; writes run_dir/status.json. Returns
-    the status and whether there was work to do (a finished run is skipped)."""
+    the status and whether there was work to do (a finished run is skipped). upto: see run_lengths."""
     if job.get('lengths'):
-        return run_lengths(job, launcher, eval_args, popen_kwargs)
+        return run_lengths(job, launcher, eval_args, popen_kwargs, upto)
     run_dir = job['out_dir']
     status, worked = read_status(run_dir), False
     if status.get('train') != 'done':
@@ -435,12 +438,12 @@ def run_job(job, launcher, do_eval, eval_args, popen_kwargs, reeval=False):
     return status, worked
 
 
-def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False):
+def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False, upto=None):
     """run_job in a free worker slot, then the run's progress line."""
     slot = slots.free.get()
     t0 = time.time()
     try:
-        status, worked = run_job(job, launcher, do_eval, eval_args, slots.popen_kwargs(slot), reeval)
+        status, worked = run_job(job, launcher, do_eval, eval_args, slots.popen_kwargs(slot), reeval, upto)
     finally:
         slots.free.put(slot)
     seconds = time.time() - t0
@@ -490,15 +493,20 @@ def run_sweep(jobs, preset, launcher, args):
         n_workers = args.workers or default_workers(args)
         slots = Slots(n_workers, args.gpus_per_worker)
         cores = len(slots.cores[0])
-        log = progress_logger(jobs, n_workers, t0)
         order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive first: the workers finish together
         print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {cores}; "
               f"runs in {args.out}/", flush=True)
+        # runs evaluated as they grow go length by length: every run reaches 1,000 steps before any goes
+        # on to 3,000, so a sweep cut short still has each length it reached on every seed
+        for upto in preset.get('lengths') or [None]:
+            log = progress_logger(jobs, n_workers, time.time())
 
-        def run(job):
-            return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval)
-        with ThreadPoolExecutor(n_workers) as pool:
-            list(pool.map(run, order))
+            def run(job):
+                return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval, upto)
+            if upto:
+                print(f"{args.preset}: every run to {upto} steps", flush=True)
+            with ThreadPoolExecutor(n_workers) as pool:
+                list(pool.map(run, order))
     else:
         n_workers, cores = submit(jobs, preset, launcher, args, eval_args, t0), args.cpus_per_run or '?'
     os.makedirs(args.out, exist_ok=True)
