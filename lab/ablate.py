@@ -408,7 +408,9 @@ def run_lengths(job, launcher, eval_args, popen_kwargs, upto=None):
             break
         if done.get(str(L)) == 'done':
             continue
+        spent = status.get('train_seconds', 0.0)  # the lengths before this one
         status.update(train(job, launcher, popen_kwargs, max_iters=L), eval=None)
+        status['train_seconds'] = round(spent + status['train_seconds'], 1)
         worked = True
         if status['train'] == 'done':
             status['train'] = 'done' if L == job['lengths'][-1] else 'growing'
@@ -448,7 +450,7 @@ def run_one(job, slots, launcher, do_eval, eval_args, log, reeval=False, upto=No
         slots.free.put(slot)
     seconds = time.time() - t0
     log(job, run_summary(job, status) + f" [{seconds:.0f}s]", seconds if worked else None)
-    return status
+    return worked
 
 
 def cost(job):
@@ -486,8 +488,9 @@ def default_workers(args):
 
 def run_sweep(jobs, preset, launcher, args):
     """Train (and evaluate) every job not finished yet, here n_workers at a time, or each as a job of a
-    scheduler (submit); writes <out>/sweep.json."""
-    t0 = time.time()
+    scheduler (submit); writes <out>/sweep.json, unless every job was finished already (the last call
+    that worked keeps its wall time)."""
+    t0, worked = time.time(), []
     eval_args = preset.get('eval_args', []) + shlex.split(args.eval_args)
     if args.executor == 'local':
         n_workers = args.workers or default_workers(args)
@@ -506,9 +509,13 @@ def run_sweep(jobs, preset, launcher, args):
             if upto:
                 print(f"{args.preset}: every run to {upto} steps", flush=True)
             with ThreadPoolExecutor(n_workers) as pool:
-                list(pool.map(run, order))
+                worked += list(pool.map(run, order))
     else:
         n_workers, cores = submit(jobs, preset, launcher, args, eval_args, t0), args.cpus_per_run or '?'
+        worked = [True]  # (the scheduler's jobs do not report back whether they trained)
+    if not any(worked):
+        print(f"{args.preset}: every run was finished already; {args.out}/sweep.json kept", flush=True)
+        return
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'sweep.json'), 'w', encoding='utf-8') as fh:
         json.dump(dict(command=args.command, wall_seconds=round(time.time() - t0, 1), workers=n_workers,

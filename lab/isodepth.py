@@ -575,7 +575,7 @@ def sweep(args):
         print(f"{args.preset}: {len(todo)} runs of case(s) {', '.join(args.case)}")
         dry_run(todo, launcher, args)
         return None
-    if not args.report_only:  # (a call that trains nothing would leave a wall time of 0 in sweep.json)
+    if not args.report_only:
         run_sweep(todo, dict(eval_depth=False), launcher, args)  # the final val loss is all the law needs
     return sweep_report(jobs, args, read_json(os.path.join(args.out, 'sweep.json'), {}))
 

@@ -65,16 +65,17 @@ def test_sweep_runs_two_arms_end_to_end(tiny_data, tiny_config, tmp_path, monkey
         assert (tmp_path / 'rep' / 'tiny_norms.png').stat().st_size > 1000
     except ImportError:
         pass
-    # a second call skips the finished runs (trains and evaluates nothing: every run file is untouched)
-    # and rebuilds the same report (all but the wall-time line)
-    run_files = lambda: {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / 'runs').glob('*/*')}
+    # a second call skips the finished runs (trains and evaluates nothing: every run file is untouched,
+    # and sweep.json keeps the wall time of the call that trained) and rebuilds the same report
+    run_files = lambda: {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / 'runs').glob('**/*')
+                         if p.is_file()}
     before = run_files()
     capsys.readouterr()
     ablate.main(argv)
-    assert 'train done, iter 5' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert 'train done, iter 5' in out and 'every run was finished already' in out
     assert run_files() == before
-    not_wall = lambda text: [line for line in text.splitlines() if not line.startswith('Wall time')]
-    assert not_wall((tmp_path / 'rep' / 'tiny.md').read_text()) == not_wall(md)
+    assert (tmp_path / 'rep' / 'tiny.md').read_text() == md
     # eval_depth.py writes null for inf/nan (a threshold of +inf: never exit early): the report still builds
     path = tmp_path / 'runs' / 'loop_raw-s7' / 'eval_depth.json'
     depth = json.loads(path.read_text())
@@ -646,6 +647,27 @@ def test_report_only_with_no_finished_run_refuses_and_leaves_the_report(tiny_con
     assert err.startswith('error: --report_only: no finished run of tinyempty') and err.count('\n') == 1
     assert (tmp_path / 'rep' / 'tinyempty.md').read_text(encoding='utf-8') == 'the committed report\n'
     assert not (tmp_path / 'rep' / 'tinyempty.json').exists()
+
+
+def test_a_growing_run_stops_at_the_sweeps_length_and_counts_the_train_time_of_every_length(tmp_path,
+                                                                                            monkeypatch):
+    # the local runner takes every run to 1,000 steps before any goes on (upto); a run's train time is the
+    # sum over its lengths, not the last length's
+    job = dict(name='a', out_dir=str(tmp_path / 'a'), lengths=(4, 8), cfg=dict(n_loop=2, max_iters=8))
+    trained = []
+
+    def fake_train(job, launcher, popen_kwargs, max_iters=None):
+        trained.append(max_iters)
+        os.makedirs(job['out_dir'], exist_ok=True)
+        return dict(train='done', rc=0, train_seconds=10.0, error=None)
+    monkeypatch.setattr(ablate, 'train', fake_train)
+    monkeypatch.setattr(ablate, 'evaluate', lambda *a, **k: dict(eval='done', eval_seconds=1.0))
+    status, worked = ablate.run_lengths(job, [], [], {}, upto=4)
+    assert worked and trained == [4] and status['train'] == 'growing' and status['train_seconds'] == 10.0
+    status, worked = ablate.run_lengths(job, [], [], {}, upto=8)
+    assert trained == [4, 8] and status['train'] == 'done' and status['train_seconds'] == 20.0
+    assert status['lengths'] == {'4': 'done', '8': 'done'}
+    assert ablate.run_lengths(job, [], [], {})[1] is False  # nothing left to do
 
 
 def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(tiny_data, tiny_config,
