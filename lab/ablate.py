@@ -486,40 +486,46 @@ def default_workers(args):
     return len(cpu_cores()) if not args.launcher and not torch.cuda.is_available() else 1
 
 
-def run_sweep(jobs, preset, launcher, args):
-    """Train (and evaluate) every job not finished yet, here n_workers at a time, or each as a job of a
-    scheduler (submit); writes <out>/sweep.json, unless every job was finished already (the last call
-    that worked keeps its wall time)."""
-    t0, worked = time.time(), []
-    eval_args = preset.get('eval_args', []) + shlex.split(args.eval_args)
-    if args.executor == 'local':
-        n_workers = args.workers or default_workers(args)
-        slots = Slots(n_workers, args.gpus_per_worker)
-        cores = len(slots.cores[0])
-        order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive first: the workers finish together
-        print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {cores}; "
-              f"runs in {args.out}/", flush=True)
-        # runs evaluated as they grow go length by length: every run reaches 1,000 steps before any goes
-        # on to 3,000, so a sweep cut short still has each length it reached on every seed
-        for upto in preset.get('lengths') or [None]:
-            log = progress_logger(jobs, n_workers, time.time())
-
-            def run(job):
-                return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval, upto)
-            if upto:
-                print(f"{args.preset}: every run to {upto} steps", flush=True)
-            with ThreadPoolExecutor(n_workers) as pool:
-                worked += list(pool.map(run, order))
-    else:
-        n_workers, cores = submit(jobs, preset, launcher, args, eval_args, t0), args.cpus_per_run or '?'
-        worked = [True]  # (the scheduler's jobs do not report back whether they trained)
-    if not any(worked):
-        print(f"{args.preset}: every run was finished already; {args.out}/sweep.json kept", flush=True)
-        return
+def write_sweep(args, t0, n_workers, cores, jobs):
+    """<out>/sweep.json: the call's command, its wall time so far, its workers, commit and dtype."""
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'sweep.json'), 'w', encoding='utf-8') as fh:
         json.dump(dict(command=args.command, wall_seconds=round(time.time() - t0, 1), workers=n_workers,
                        cores_per_run=cores, commit=code_version(), dtype=resolved_dtype(jobs[0]['cfg'])), fh)
+
+
+def run_sweep(jobs, preset, launcher, args):
+    """Train (and evaluate) every job not finished yet, here n_workers at a time, or each as a job of a
+    scheduler (submit); writes <out>/sweep.json, unless every job was finished already (the last call
+    that worked keeps its wall time)."""
+    t0 = time.time()
+    eval_args = preset.get('eval_args', []) + shlex.split(args.eval_args)
+    if args.executor != 'local':
+        n_workers = submit(jobs, preset, launcher, args, eval_args, t0)
+        write_sweep(args, t0, n_workers, args.cpus_per_run or '?', jobs)
+        return
+    n_workers = args.workers or default_workers(args)
+    slots = Slots(n_workers, args.gpus_per_worker)
+    cores = len(slots.cores[0])
+    order = sorted(jobs, key=lambda j: -cost(j))  # the most expensive first: the workers finish together
+    print(f"{args.preset}: {len(jobs)} runs, {n_workers} at a time, cores per run {cores}; "
+          f"runs in {args.out}/", flush=True)
+    # runs evaluated as they grow go length by length: every run reaches 1,000 steps before any goes on to
+    # 3,000, and sweep.json is written after each length, so a sweep cut short reports what it reached
+    worked = False
+    for upto in preset.get('lengths') or [None]:
+        log = progress_logger(jobs, n_workers, time.time())
+
+        def run(job):
+            return run_one(job, slots, launcher, preset['eval_depth'], eval_args, log, args.reeval, upto)
+        if upto:
+            print(f"{args.preset}: every run to {upto} steps", flush=True)
+        with ThreadPoolExecutor(n_workers) as pool:
+            worked = any(list(pool.map(run, order))) or worked
+        if worked:
+            write_sweep(args, t0, n_workers, cores, jobs)
+    if not worked:
+        print(f"{args.preset}: every run was finished already; {args.out}/sweep.json kept", flush=True)
 
 # -----------------------------------------------------------------------------
 # running through a scheduler: a job per run, submitted with submitit (Slurm, or its local executor)
@@ -772,7 +778,8 @@ def main(argv=None):
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     jobs = plan(args, preset)
-    if args.report_only and not any(read_status(j['out_dir']).get('train') == 'done' for j in jobs):
+    finished = lambda st: st.get('train') == 'done' or 'done' in st.get('lengths', {}).values()
+    if args.report_only and not any(finished(read_status(j['out_dir'])) for j in jobs):
         # an empty report would overwrite the committed one (the runs' folders are not committed)
         die(f"--report_only: no finished run of {args.preset} under {args.out}/; "
             f"{os.path.join(args.report_dir, args.preset + '.md')} is left as it is")

@@ -409,24 +409,46 @@ def matched_report(arms, header, report_dir, prefix):
     return header + matched_tables(arms) + blindspot_report(arms, [], report_dir, prefix)
 
 
+def norms_at(at, L):
+    """||h_k|| at step L (train.py's eval at that step), mean over the runs that reached it."""
+    lines = [f"‖h_k‖ at step {L:,} (mean per-token L2 norm of each loop state, val, mean over seeds):", "",
+             "| arm | seeds | ‖h_k‖ k = 1..R |", "|---|---|---|"]
+    for name, runs in at.items():
+        rows = [row_near(r['rows'], L) for r in runs if r['depth']]
+        rows = [row for row in rows if row and row['iter'] == L]
+        lines.append(f"| {name} | {len(rows)} | {vec(mean_vec([row['norm'] for row in rows]), '.1f')} |")
+    return lines
+
+
 def matched_long_report(arms, header, lengths):
     """The matched-depth tables at each training length a run was evaluated at (eval_depth-<L>.json),
-    for the lengths every arm reached on at least two seeds; the others are listed as not reached."""
-    lines = list(header)
+    for the lengths every arm reached on at least two seeds; the others are listed as not reached.
+    At a constant LR the checkpoint at L steps is an L-step run's, so each length is its own experiment."""
+    lines, summary_rows = list(header), []
     for L in lengths:
         at = {name: [dict(r, depth=read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json')))
                      for r in runs] for name, runs in arms.items()}
         seeds = min(len(depths(runs)) for runs in at.values())
+        key = f'scale-controlled variants at {L:,} steps'
         lines += [f"## {L:,} steps", ""]
         if seeds < 2:
             lines += [f"Not reached: {sum(len(depths(r)) for r in at.values())} of "
                       f"{sum(len(r) for r in at.values())} runs evaluated at this length (a verdict needs "
                       f"two seeds of every arm).", ""]
+            lines += verdict_block([(key, 'not tested', seeds, "not reached on two seeds of every arm")])
+            summary_rows.append(f"| {L:,} | {seeds} | not tested |")
             continue
-        tables = matched_tables(at, key=f'scale-controlled variants at {L:,} steps')
+        tables = matched_tables(at, key=key)
         lines += [t.replace('### Matched inference depth', f'### {L:,} steps, matched inference depth', 1)
                   for t in tables]
-    return lines
+        lines += [t.replace('### Depth', f'### {L:,} steps, depth', 1) for t in depth_table(at)]
+        lines += [""] + norms_at(at, L) + [""]
+        said = next(t for t in tables if t.startswith(f'- {key}: '))
+        summary_rows.append(f"| {L:,} | {seeds} | {said.split(': ', 1)[1].split(' (')[0]} |")
+    return (lines[:len(header)] + ["### The verdict per training length", "",
+                                   "| steps | seeds (fewest of any arm) | scale-controlled variants lower at "
+                                   "matched depth? |", "|---|---|---|"] + summary_rows + [""]
+            + lines[len(header):])
 
 
 def recurrent_report(arms, header, report_dir, prefix):
@@ -1094,8 +1116,12 @@ def summary(arms):
     """<prefix>.json: per arm and seed, the status, the last metrics row and eval_depth's main results."""
     keys = ('fixed', 'dppl_1_to_R', 'calibrated', 'clamp', 'radial_frac', 'throughput')
     moe = lambda r: read_json(os.path.join(r['out_dir'], 'moe_eval.json'))  # lab/moe.py's evaluation
+    at = lambda r, L: read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json'))  # matched_long's
+    lengths = lambda r: {L: {k: at(r, L)[k] for k in keys} for L in r['status'].get('lengths', {})
+                         if at(r, L)}
     return {name: [dict(seed=r['seed'], status=r['status'], final=r['rows'][-1] if r['rows'] else None,
                         depth={k: r['depth'][k] for k in keys} if r['depth'] else None,
+                        **({'lengths': lengths(r)} if lengths(r) else {}),
                         **({'moe_eval': moe(r)} if moe(r) else {}))
                    for r in runs] for name, runs in arms.items()}
 

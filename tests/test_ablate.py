@@ -603,6 +603,38 @@ def test_matched_table_pairs_each_arm_with_the_rmsnorm_arm_by_seed():
     assert '- scale-controlled variants: does not reproduce (2 seeds); computed: ' in md
 
 
+def test_matched_long_reports_a_verdict_per_length_and_not_tested_where_a_seed_is_missing(real_depth,
+                                                                                          tmp_path):
+    # the raw readout below RMSNorm at every budget in both seeds at step 4: reproduces there; at step 8
+    # only seed 1 was evaluated, so that length has no verdict (not tested, 1 seed), whatever its numbers
+    def depth(fixed):
+        d = json.loads(json.dumps(real_depth))
+        d['fixed']['ppl'] = fixed + [99.0] * (len(d['fixed']['ppl']) - 2)
+        d['adaptive'] = dict(margin=dict(avg_loops=[1.5], ppl=[fixed[0] - 0.5]))
+        return d
+    arms = {}
+    for name, fixed in (('loop_rmsnorm', [20.0, 18.0]), ('loop_raw', [19.0, 17.0])):
+        for seed in (1, 2):
+            run = dict(seed=seed, out_dir=str(tmp_path / f'{name}-s{seed}'), depth=None,
+                       rows=[dict(iter=4, norm=[1.0 * seed, 2.0]), dict(iter=8, norm=[3.0, 4.0])],
+                       status=dict(train='growing', lengths={'4': 'done', '8': 'done'} if seed == 1 else
+                                   {'4': 'done'}))
+            os.makedirs(run['out_dir'])
+            for L in [4, 8] if seed == 1 else [4]:
+                with open(os.path.join(run['out_dir'], f'eval_depth-{L}.json'), 'w') as fh:
+                    json.dump(depth(fixed), fh)
+            arms.setdefault(name, []).append(run)
+    md = '\n'.join(reports.matched_long_report(arms, ['# header', ''], (4, 8)))
+    assert md.index('| 4 | 2 | reproduces |') < md.index('| 8 | 1 | not tested |') < md.index('## 4 steps')
+    assert '- scale-controlled variants at 4 steps: reproduces (2 seeds); computed: ' in md
+    assert '- scale-controlled variants at 8 steps: not tested (1 seed); not reached' in md
+    assert '| loop_raw | -1.000 (2/2) |' in md  # budget 1: 19 - 20 in each seed
+    assert '### 4 steps, depth' in md and '| loop_raw | 2 | 1.5 / 2.0 |' in md  # norms at step 4, 2 seeds
+    rec = reports.summary(arms)['loop_raw']
+    assert sorted(rec[0]['lengths']) == ['4', '8'] and sorted(rec[1]['lengths']) == ['4']
+    assert rec[0]['lengths']['8']['fixed']['ppl'][:2] == [19.0, 17.0]
+
+
 def test_deeploop_comparison_is_paired_by_seed_against_the_baseline():
     def run(v, seed, loss):
         return dict(seed=seed, arm=dict(tags=dict(variant=v, R=3, lr=1e-3)), status=dict(train='done'),
