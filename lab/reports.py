@@ -420,11 +420,30 @@ def norms_at(at, L):
     return lines
 
 
-def matched_long_report(arms, header, lengths):
+def plot_matched_long(plt, per_length, report_dir, prefix):
+    """One panel per length reached: each arm's lowest val PPL within a budget of average loops (mean
+    over seeds), the curve the matched-depth verdict compares."""
+    fig, axes = plt.subplots(1, len(per_length), figsize=(4 * len(per_length), 3.6), squeeze=False,
+                             sharey=True)
+    for ax, (L, at) in zip(axes[0], per_length.items()):
+        for i, (name, runs) in enumerate(at.items()):
+            ppl = [mean([ppl_within(d, b) for d in depths(runs)]) for b in MATCHED_BUDGETS]
+            ax.plot(MATCHED_BUDGETS, floats(ppl), 'o-', ms=3, color=plt.cm.tab10(i % 10), label=name)
+        ax.set_title(f'{L:,} steps', fontsize=9)
+        ax.set_xlabel('budget: average loops per sequence')
+        ax.grid(alpha=0.3, which='both')
+    axes[0][0].set_ylabel('lowest val PPL within the budget')
+    axes[0][0].set_yscale('log')
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, plt, report_dir, f'{prefix}_ppl.png')
+
+
+def matched_long_report(arms, header, lengths, report_dir, prefix):
     """The matched-depth tables at each training length a run was evaluated at (eval_depth-<L>.json),
     for the lengths every arm reached on at least two seeds; the others are listed as not reached.
     At a constant LR the checkpoint at L steps is an L-step run's, so each length is its own experiment."""
-    lines, summary_rows = list(header), []
+    lines, summary_rows, reached = list(header), [], {}
     for L in lengths:
         at = {name: [dict(r, depth=read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json')))
                      for r in runs] for name, runs in arms.items()}
@@ -443,11 +462,16 @@ def matched_long_report(arms, header, lengths):
                   for t in tables]
         lines += [t.replace('### Depth', f'### {L:,} steps, depth', 1) for t in depth_table(at)]
         lines += [""] + norms_at(at, L) + [""]
+        reached[L] = at
         said = next(t for t in tables if t.startswith(f'- {key}: '))
         summary_rows.append(f"| {L:,} | {seeds} | {said.split(': ', 1)[1].split(' (')[0]} |")
+    plt, plot = plt_or_none() if reached else None, []
+    if plt:
+        path = plot_matched_long(plt, reached, report_dir, prefix)
+        plot = [f"![lowest val PPL within each budget of loops, per training length]({path})", ""]
     return (lines[:len(header)] + ["### The verdict per training length", "",
                                    "| steps | seeds (fewest of any arm) | scale-controlled variants lower at "
-                                   "matched depth? |", "|---|---|---|"] + summary_rows + [""]
+                                   "matched depth? |", "|---|---|---|"] + summary_rows + [""] + plot
             + lines[len(header):])
 
 
@@ -1136,7 +1160,7 @@ def write_report(preset_name, preset, jobs, args, sweep):
     if preset['report'] == 'blindspot':
         lines = blindspot_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'matched_long':
-        lines = matched_long_report(arms, header, preset['lengths'])
+        lines = matched_long_report(arms, header, preset['lengths'], args.report_dir, prefix)
     elif preset['report'] == 'matched':
         lines = matched_report(arms, header, args.report_dir, prefix)
     elif preset['report'] == 'recurrent':

@@ -624,12 +624,14 @@ def test_matched_long_reports_a_verdict_per_length_and_not_tested_where_a_seed_i
                 with open(os.path.join(run['out_dir'], f'eval_depth-{L}.json'), 'w') as fh:
                     json.dump(depth(fixed), fh)
             arms.setdefault(name, []).append(run)
-    md = '\n'.join(reports.matched_long_report(arms, ['# header', ''], (4, 8)))
+    md = '\n'.join(reports.matched_long_report(arms, ['# header', ''], (4, 8), str(tmp_path), 'ml'))
     assert md.index('| 4 | 2 | reproduces |') < md.index('| 8 | 1 | not tested |') < md.index('## 4 steps')
     assert '- scale-controlled variants at 4 steps: reproduces (2 seeds); computed: ' in md
     assert '- scale-controlled variants at 8 steps: not tested (1 seed); not reached' in md
     assert '| loop_raw | -1.000 (2/2) |' in md  # budget 1: 19 - 20 in each seed
     assert '### 4 steps, depth' in md and '| loop_raw | 2 | 1.5 / 2.0 |' in md  # norms at step 4, 2 seeds
+    if reports.plt_or_none():
+        assert '(ml_ppl.png)' in md and (tmp_path / 'ml_ppl.png').stat().st_size > 1000
     rec = reports.summary(arms)['loop_raw']
     assert sorted(rec[0]['lengths']) == ['4', '8'] and sorted(rec[1]['lengths']) == ['4']
     assert rec[0]['lengths']['8']['fixed']['ppl'][:2] == [19.0, 17.0]
