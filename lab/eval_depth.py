@@ -411,6 +411,19 @@ def cpu_threads():
     return int(first)
 
 
+def open_checkpoint(out_dir, device, script):
+    """(device, path, checkpoint) for a lab script's OUT_DIR argument (a folder holding ckpt.pt, or the
+    file); device 'auto' is cuda where there is one. A missing checkpoint is one line and exit 1."""
+    device = ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
+    if device == 'cpu':
+        torch.set_num_threads(cpu_threads())
+    path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
+    if not os.path.isfile(path):  # checkpoint.load's hint names train.py's --out_dir, which this lacks
+        die(f"checkpoint {path} not found: pass {script} the folder holding ckpt.pt, or the file, "
+            f"as its first argument (python lab/{script}.py OUT_DIR)")
+    return device, path, checkpoint.load(path)
+
+
 def main(argv=None):
     ap = Parser('lab/eval_depth.py', __doc__)
     ap.add_argument('out_dir', help='a folder holding ckpt.pt, or the checkpoint file')
@@ -436,14 +449,7 @@ def main(argv=None):
             die(f"--{name}={getattr(args, name)}: must be >= 1")
     if not args.tol >= 1.0:
         die(f"--tol={args.tol}: must be >= 1")
-    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
-    if device == 'cpu':
-        torch.set_num_threads(cpu_threads())
-    ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
-    if not os.path.isfile(ckpt_path):  # checkpoint.load's hint names train.py's --out_dir, which this lacks
-        die(f"checkpoint {ckpt_path} not found: pass eval_depth the folder holding ckpt.pt, or the file, "
-            f"as its first argument (python lab/eval_depth.py OUT_DIR)")
-    ckpt = checkpoint.load(ckpt_path)
+    device, ckpt_path, ckpt = open_checkpoint(args.out_dir, args.device, 'eval_depth')
     model = checkpoint.build_model(ckpt).to(device)
     cfg = model.config
     data_dir = args.data_dir or os.path.join('data', ckpt.get('dataset', ''))

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
 from errors import Parser, die
-from eval_depth import cpu_threads, val_windows, write_json
+from eval_depth import open_checkpoint, val_windows, write_json
 from prepare import load_meta
 
 # -----------------------------------------------------------------------------
@@ -204,14 +204,7 @@ def main(argv=None):
     for name in ('batches', 'batch_size'):
         if getattr(args, name) < 1:
             die(f"--{name}={getattr(args, name)}: must be >= 1")
-    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
-    if device == 'cpu':
-        torch.set_num_threads(cpu_threads())
-    ckpt_path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
-    if not os.path.isfile(ckpt_path):
-        die(f"checkpoint {ckpt_path} not found: pass routing the folder holding ckpt.pt, or the file, "
-            f"as its first argument (python lab/routing.py OUT_DIR)")
-    ckpt = checkpoint.load(ckpt_path)
+    device, ckpt_path, ckpt = open_checkpoint(args.out_dir, args.device, 'routing')
     E = ckpt['model_args'].get('n_expert', 0)
     if not E:
         die(f"{ckpt_path} has no experts: n_expert = 0 (a dense model; routing needs a Looped-MoE "
