@@ -423,8 +423,7 @@ def norms_at(at, L):
 def plot_matched_long(plt, per_length, report_dir, prefix):
     """One panel per length reached: each arm's lowest val PPL within a budget of average loops (mean
     over seeds), the curve the matched-depth verdict compares."""
-    fig, axes = plt.subplots(1, len(per_length), figsize=(4 * len(per_length), 3.6), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(1, len(per_length), figsize=(4 * len(per_length), 3.6), squeeze=False)
     for ax, (L, at) in zip(axes[0], per_length.items()):
         for i, (name, runs) in enumerate(at.items()):
             ppl = [mean([ppl_within(d, b) for d in depths(runs)]) for b in MATCHED_BUDGETS]
@@ -432,8 +431,7 @@ def plot_matched_long(plt, per_length, report_dir, prefix):
         ax.set_title(f'{L:,} steps', fontsize=9)
         ax.set_xlabel('budget: average loops per sequence')
         ax.grid(alpha=0.3, which='both')
-    axes[0][0].set_ylabel('lowest val PPL within the budget')
-    axes[0][0].set_yscale('log')
+    axes[0][0].set_ylabel('lowest val PPL within the budget')  # each panel its own scale: PPL falls
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return save(fig, plt, report_dir, f'{prefix}_ppl.png')

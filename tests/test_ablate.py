@@ -747,3 +747,14 @@ def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(
     ablate.main(['grow', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
     md = (tmp_path / 'rep' / 'grow.md').read_text()
     assert '## 4 steps' in md and '## 8 steps' in md and 'Not reached: 1 of 2 runs' in md
+
+
+def test_the_committed_matched_long_report_is_what_its_committed_runs_give(repo_dir, tmp_path, monkeypatch):
+    # assets/matched_long.md (verdicts per training length, bound by tests/test_claims.py) rebuilt from the
+    # run records in assets/runs/matched_long: statuses, metrics and eval_depth-<L>.json, no checkpoint
+    monkeypatch.chdir(tmp_path)  # no data/ here, as in a fresh clone
+    ablate.main(['matched_long', '--report_only', '--out', str(repo_dir / 'assets/runs/matched_long'),
+                 '--report_dir', str(tmp_path)])
+    rebuilt = (tmp_path / 'matched_long.md').read_text(encoding='utf-8')
+    committed = (repo_dir / 'assets/matched_long.md').read_text(encoding='utf-8')
+    assert rebuilt == committed
