@@ -441,7 +441,7 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
     """The matched-depth tables at each training length a run was evaluated at (eval_depth-<L>.json),
     for the lengths every arm reached on at least two seeds; the others are listed as not reached.
     At a constant LR the checkpoint at L steps is an L-step run's, so each length is its own experiment."""
-    lines, summary_rows, reached = list(header), [], {}
+    lines, summary_rows, reached = [], [], {}
     for L in lengths:
         at = {name: [dict(r, depth=read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json')))
                      for r in runs] for name, runs in arms.items()}
@@ -467,10 +467,9 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
     if plt:
         path = plot_matched_long(plt, reached, report_dir, prefix)
         plot = [f"![lowest val PPL within each budget of loops, per training length]({path})", ""]
-    return (lines[:len(header)] + ["### The verdict per training length", "",
-                                   "| steps | seeds (fewest of any arm) | scale-controlled variants lower at "
-                                   "matched depth? |", "|---|---|---|"] + summary_rows + [""] + plot
-            + lines[len(header):])
+    return (header + ["### The verdict per training length", "",
+                      "| steps | seeds (fewest of any arm) | scale-controlled variants lower at matched depth? |",
+                      "|---|---|---|"] + summary_rows + [""] + plot + lines)
 
 
 def recurrent_report(arms, header, report_dir, prefix):
@@ -1138,12 +1137,14 @@ def summary(arms):
     """<prefix>.json: per arm and seed, the status, the last metrics row and eval_depth's main results."""
     keys = ('fixed', 'dppl_1_to_R', 'calibrated', 'clamp', 'radial_frac', 'throughput')
     moe = lambda r: read_json(os.path.join(r['out_dir'], 'moe_eval.json'))  # lab/moe.py's evaluation
-    at = lambda r, L: read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json'))  # matched_long's
-    lengths = lambda r: {L: {k: at(r, L)[k] for k in keys} for L in r['status'].get('lengths', {})
-                         if at(r, L)}
+
+    def lengths(r):  # matched_long: eval_depth at each length the run reached
+        at = {L: read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json'))
+              for L in r['status'].get('lengths', {})}
+        return {L: {k: d[k] for k in keys} for L, d in at.items() if d}
     return {name: [dict(seed=r['seed'], status=r['status'], final=r['rows'][-1] if r['rows'] else None,
                         depth={k: r['depth'][k] for k in keys} if r['depth'] else None,
-                        **({'lengths': lengths(r)} if lengths(r) else {}),
+                        **({'lengths': lengths(r)} if r['status'].get('lengths') else {}),
                         **({'moe_eval': moe(r)} if moe(r) else {}))
                    for r in runs] for name, runs in arms.items()}
 
