@@ -467,9 +467,10 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
     if plt:
         path = plot_matched_long(plt, reached, report_dir, prefix)
         plot = [f"![lowest val PPL within each budget of loops, per training length]({path})", ""]
-    return (header + ["### The verdict per training length", "",
-                      "| steps | seeds (fewest of any arm) | scale-controlled variants lower at matched depth? |",
-                      "|---|---|---|"] + summary_rows + [""] + plot + lines)
+    table = ["### The verdict per training length", "",
+             "| steps | seeds (fewest of any arm) | scale-controlled variants lower at matched depth? |",
+             "|---|---|---|"] + summary_rows + [""]
+    return header + table + plot + lines
 
 
 def recurrent_report(arms, header, report_dir, prefix):
