@@ -368,7 +368,9 @@ def matched_claim(arm_verdicts):
     return 'reproduces' if words else 'not tested'
 
 
-def matched_tables(arms, key='scale-controlled variants'):
+def matched_tables(arms, key='scale-controlled variants', missing=None):
+    # missing: {arm: seeds} of the arms left out, not evaluated on two seeds yet. Any of them could
+    # still be the weakest arm, so the claim stays not tested; the arms shown keep their own verdicts.
     cols = ' | '.join(f'≤ {b:g}' for b in MATCHED_BUDGETS)
     lines = ["### Matched inference depth: the lowest val PPL within a budget of average loops", "",
              "Operating points: the fixed exits and every adaptive-exit threshold (max-prob, margin, "
@@ -400,9 +402,12 @@ def matched_tables(arms, key='scale-controlled variants'):
         verdicts.append(matched_verdict(deltas))
         lines.append(f"| {name} | " + ' | '.join(cells) + f" | {verdicts[-1]} |")
     seeds = len(by_seed(arms.get(BASELINE_ARM, [])))
-    return lines + [""] + verdict_block([(
-        key, matched_claim(verdicts), seeds,
-        f"computed: a lower PPL at matched depth? the weakest of the arms' verdicts against {BASELINE_ARM}")])
+    claim, how = matched_claim(verdicts), ("computed: a lower PPL at matched depth? the weakest of the "
+                                           f"arms' verdicts against {BASELINE_ARM}")
+    if missing:
+        claim, seeds = 'not tested', min(missing.values())
+        how = "not reached on two seeds by " + ", ".join(f"{n} ({k} of 2)" for n, k in missing.items())
+    return lines + [""] + verdict_block([(key, claim, seeds, how)])
 
 
 def matched_report(arms, header, report_dir, prefix):
@@ -424,8 +429,10 @@ def plot_matched_long(plt, per_length, report_dir, prefix):
     """One panel per length reached: each arm's lowest val PPL within a budget of average loops (mean
     over seeds), the curve the matched-depth verdict compares."""
     fig, axes = plt.subplots(1, len(per_length), figsize=(4 * len(per_length), 3.6), squeeze=False)
+    names = list(dict.fromkeys(n for at in per_length.values() for n in at))  # one color per arm
     for ax, (L, at) in zip(axes[0], per_length.items()):
-        for i, (name, runs) in enumerate(at.items()):
+        for name, runs in at.items():
+            i = names.index(name)
             ppl = [mean([ppl_within(d, b) for d in depths(runs)]) for b in MATCHED_BUDGETS]
             ax.plot(MATCHED_BUDGETS, floats(ppl), 'o-', ms=3, color=plt.cm.tab10(i % 10), label=name)
         ax.set_title(f'{L:,} steps', fontsize=9)
@@ -439,7 +446,8 @@ def plot_matched_long(plt, per_length, report_dir, prefix):
 
 def matched_long_report(arms, header, lengths, report_dir, prefix):
     """The matched-depth tables at each training length a run was evaluated at (eval_depth-<L>.json),
-    for the lengths every arm reached on at least two seeds; the others are listed as not reached.
+    for the arms a length reached on at least two seeds (the baseline and one more at least); the
+    claim's verdict needs every arm there, and a length short of that is listed as not reached.
     At a constant LR the checkpoint at L steps is an L-step run's, so each length is its own experiment."""
     lines, summary_rows, reached = [], [], {}
     for L in lengths:
@@ -448,14 +456,20 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
         seeds = min(len(depths(runs)) for runs in at.values())
         key = f'scale-controlled variants at {L:,} steps'
         lines += [f"## {L:,} steps", ""]
-        if seeds < 2:
+        # the arms on two seeds are shown as soon as the baseline and one more have them
+        missing = {n: len(depths(runs)) for n, runs in at.items() if len(depths(runs)) < 2}
+        if BASELINE_ARM in missing or len(missing) >= len(at) - 1:
             lines += [f"Not reached: {sum(len(depths(r)) for r in at.values())} of "
                       f"{sum(len(r) for r in at.values())} runs evaluated at this length (a verdict needs "
                       f"two seeds of every arm).", ""]
             lines += verdict_block([(key, 'not tested', seeds, "not reached on two seeds of every arm")])
             summary_rows.append(f"| {L:,} | {seeds} | not tested |")
             continue
-        tables = matched_tables(at, key=key)
+        if missing:
+            lines += [f"Reached on two seeds by {len(at) - len(missing)} of {len(at)} arms; "
+                      f"{', '.join(missing)} not yet, so the claim is not tested here.", ""]
+        at = {n: runs for n, runs in at.items() if n not in missing}
+        tables = matched_tables(at, key=key, missing=missing)
         lines += [t.replace('### Matched inference depth', f'### {L:,} steps, matched inference depth', 1)
                   for t in tables]
         lines += [t.replace('### Depth', f'### {L:,} steps, depth', 1) for t in depth_table(at)]
@@ -1137,17 +1151,19 @@ def report_header(preset, jobs, n_arms, args, sweep):
 def summary(arms):
     """<prefix>.json: per arm and seed, the status, the last metrics row and eval_depth's main results."""
     keys = ('fixed', 'dppl_1_to_R', 'calibrated', 'clamp', 'radial_frac', 'throughput')
-    moe = lambda r: read_json(os.path.join(r['out_dir'], 'moe_eval.json'))  # lab/moe.py's evaluation
 
-    def lengths(r):  # matched_long: eval_depth at each length the run reached
-        at = {L: read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json'))
-              for L in r['status'].get('lengths', {})}
-        return {L: {k: d[k] for k in keys} for L, d in at.items() if d}
-    return {name: [dict(seed=r['seed'], status=r['status'], final=r['rows'][-1] if r['rows'] else None,
-                        depth={k: r['depth'][k] for k in keys} if r['depth'] else None,
-                        **({'lengths': lengths(r)} if r['status'].get('lengths') else {}),
-                        **({'moe_eval': moe(r)} if moe(r) else {}))
-                   for r in runs] for name, runs in arms.items()}
+    def record(r):
+        rec = dict(seed=r['seed'], status=r['status'], final=r['rows'][-1] if r['rows'] else None,
+                   depth={k: r['depth'][k] for k in keys} if r['depth'] else None)
+        if r['status'].get('lengths'):  # matched_long: eval_depth at each length the run reached
+            at = {L: read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json'))
+                  for L in r['status']['lengths']}
+            rec['lengths'] = {L: {k: d[k] for k in keys} for L, d in at.items() if d}
+        moe = read_json(os.path.join(r['out_dir'], 'moe_eval.json'))  # lab/moe.py's evaluation
+        if moe:
+            rec['moe_eval'] = moe
+        return rec
+    return {name: [record(r) for r in runs] for name, runs in arms.items()}
 
 
 def write_report(preset_name, preset, jobs, args, sweep):

@@ -603,27 +603,31 @@ def test_matched_table_pairs_each_arm_with_the_rmsnorm_arm_by_seed():
     assert '- scale-controlled variants: does not reproduce (2 seeds); computed: ' in md
 
 
+def grown_runs(real_depth, run_dir, name, fixed, lengths_by_seed):
+    """An arm's runs evaluated as they grow (eval_depth-<L>.json at each length in lengths_by_seed[seed]),
+    the real eval_depth schema with fixed-exit PPLs `fixed` at exits 1, 2 and one margin point."""
+    d = json.loads(json.dumps(real_depth))
+    d['fixed']['ppl'] = fixed + [99.0] * (len(d['fixed']['ppl']) - 2)
+    d['adaptive'] = dict(margin=dict(avg_loops=[1.5], ppl=[fixed[0] - 0.5]))
+    runs = []
+    for seed, lengths in lengths_by_seed.items():
+        run = dict(seed=seed, out_dir=str(run_dir / f'{name}-s{seed}'), depth=None,
+                   rows=[dict(iter=4, norm=[1.0 * seed, 2.0]), dict(iter=8, norm=[3.0, 4.0])],
+                   status=dict(train='growing', lengths={str(L): 'done' for L in lengths}))
+        os.makedirs(run['out_dir'])
+        for L in lengths:
+            with open(os.path.join(run['out_dir'], f'eval_depth-{L}.json'), 'w') as fh:
+                json.dump(d, fh)
+        runs.append(run)
+    return runs
+
+
 def test_matched_long_reports_a_verdict_per_length_and_not_tested_where_a_seed_is_missing(real_depth,
                                                                                           tmp_path):
     # the raw readout below RMSNorm at every budget in both seeds at step 4: reproduces there; at step 8
     # only seed 1 was evaluated, so that length has no verdict (not tested, 1 seed), whatever its numbers
-    def depth(fixed):
-        d = json.loads(json.dumps(real_depth))
-        d['fixed']['ppl'] = fixed + [99.0] * (len(d['fixed']['ppl']) - 2)
-        d['adaptive'] = dict(margin=dict(avg_loops=[1.5], ppl=[fixed[0] - 0.5]))
-        return d
-    arms = {}
-    for name, fixed in (('loop_rmsnorm', [20.0, 18.0]), ('loop_raw', [19.0, 17.0])):
-        for seed in (1, 2):
-            run = dict(seed=seed, out_dir=str(tmp_path / f'{name}-s{seed}'), depth=None,
-                       rows=[dict(iter=4, norm=[1.0 * seed, 2.0]), dict(iter=8, norm=[3.0, 4.0])],
-                       status=dict(train='growing', lengths={'4': 'done', '8': 'done'} if seed == 1 else
-                                   {'4': 'done'}))
-            os.makedirs(run['out_dir'])
-            for L in [4, 8] if seed == 1 else [4]:
-                with open(os.path.join(run['out_dir'], f'eval_depth-{L}.json'), 'w') as fh:
-                    json.dump(depth(fixed), fh)
-            arms.setdefault(name, []).append(run)
+    arms = {name: grown_runs(real_depth, tmp_path, name, fixed, {1: [4, 8], 2: [4]})
+            for name, fixed in (('loop_rmsnorm', [20.0, 18.0]), ('loop_raw', [19.0, 17.0]))}
     md = '\n'.join(reports.matched_long_report(arms, ['# header', ''], (4, 8), str(tmp_path), 'ml'))
     assert md.index('| 4 | 2 | reproduces |') < md.index('| 8 | 1 | not tested |') < md.index('## 4 steps')
     assert '- scale-controlled variants at 4 steps: reproduces (2 seeds); computed: ' in md
@@ -635,6 +639,25 @@ def test_matched_long_reports_a_verdict_per_length_and_not_tested_where_a_seed_i
     rec = reports.summary(arms)['loop_raw']
     assert sorted(rec[0]['lengths']) == ['4', '8'] and sorted(rec[1]['lengths']) == ['4']
     assert rec[0]['lengths']['8']['fixed']['ppl'][:2] == [19.0, 17.0]
+
+
+def test_a_length_some_arms_reached_shows_their_verdicts_and_leaves_the_claim_not_tested(real_depth,
+                                                                                        tmp_path):
+    # at step 8 the raw arm has both seeds (and does not reproduce there) but the penalty arm has one:
+    # the penalty arm could still be the weakest, so the claim waits, while raw's verdict is shown
+    lengths = {'loop_rmsnorm': ([20.0, 18.0], {1: [4, 8], 2: [4, 8]}),
+               'loop_raw': ([21.0, 17.0], {1: [4, 8], 2: [4, 8]}),
+               'loop_penalty': ([19.0, 17.0], {1: [4, 8], 2: [4]})}
+    arms = {n: grown_runs(real_depth, tmp_path, n, fixed, by_seed) for n, (fixed, by_seed) in lengths.items()}
+    md = '\n'.join(reports.matched_long_report(arms, ['# header', ''], (4, 8), str(tmp_path), 'ml'))
+    at_8 = md[md.index('## 8 steps'):]
+    assert 'Reached on two seeds by 2 of 3 arms; loop_penalty not yet' in at_8
+    tables = at_8[at_8.index('### 8 steps, matched'):at_8.index('### Verdicts')]
+    assert '| loop_raw | +1.000 (0/2) |' in tables and '| loop_penalty |' not in tables
+    assert ('- scale-controlled variants at 8 steps: not tested (1 seed); not reached on two seeds by '
+            'loop_penalty (1 of 2)') in at_8
+    assert '| 8 | 1 | not tested |' in md
+    assert '- scale-controlled variants at 4 steps: does not reproduce (2 seeds)' in md  # raw loses at 4
 
 
 def test_deeploop_comparison_is_paired_by_seed_against_the_baseline():
