@@ -176,9 +176,10 @@ def end_process_group():
     """On every way out (done, a stop signal, an error), once the caller dropped its DDP wrapper
     (which holds the process group): destroy the group while Python is still whole. A gloo thread
     left running into the interpreter's shutdown can abort the process ('terminate called without
-    an active exception')."""
-    gc.collect()
+    an active exception'). Without DDP there is nothing to end: no full collection, which would cost
+    a second at every exit of a process that ran train.py many times (the tests)."""
     if ddp():
+        gc.collect()
         dist.destroy_process_group()
 
 

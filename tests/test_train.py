@@ -6,6 +6,7 @@ Most runs here execute train.py in this process (runpy), which is fast and sees 
 line would: a clean error is a SystemExit(1) with one line on stderr, anything else would be a traceback.
 A few tests start real subprocesses to pin the command line itself.
 """
+import atexit
 import contextlib
 import functools
 import glob
@@ -62,7 +63,16 @@ def run_train(args, cwd):
     # train.py sets these handlers
     old_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     sys.argv = ['train.py', *args]
-    code = 0
+    code, at_exit, register = 0, [], atexit.register
+
+    def register_here(f, *a, **kw):
+        # train.py's own exit handler runs when this run ends, as at the end of its process; left
+        # registered, it would keep every run's globals (model, optimizer, data) alive to the suite's end
+        if getattr(f, '__code__', None) and f.__code__.co_filename == TRAIN:
+            at_exit.append(functools.partial(f, *a, **kw))
+            return f
+        return register(f, *a, **kw)
+    atexit.register = register_here
     try:
         os.chdir(cwd)
         # tiny models: one thread is fastest, and the suite shares 2 cores
@@ -73,6 +83,9 @@ def run_train(args, cwd):
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
+        atexit.register = register
+        for f in at_exit:
+            f()
         sys.argv = old_argv
         os.chdir(old_cwd)
         for sig, handler in old_handlers.items():
