@@ -453,13 +453,14 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
     for L in lengths:
         at = {name: [dict(r, depth=read_json(os.path.join(r['out_dir'], f'eval_depth-{L}.json')))
                      for r in runs] for name, runs in arms.items()}
-        seeds = min(len(depths(runs)) for runs in at.values())
+        n_seeds = {name: len(depths(runs)) for name, runs in at.items()}
+        seeds = min(n_seeds.values())
         key = f'scale-controlled variants at {L:,} steps'
         lines += [f"## {L:,} steps", ""]
         # the arms on two seeds are shown as soon as the baseline and one more have them
-        missing = {n: len(depths(runs)) for n, runs in at.items() if len(depths(runs)) < 2}
+        missing = {n: k for n, k in n_seeds.items() if k < 2}
         if BASELINE_ARM in missing or len(missing) >= len(at) - 1:
-            lines += [f"Not reached: {sum(len(depths(r)) for r in at.values())} of "
+            lines += [f"Not reached: {sum(n_seeds.values())} of "
                       f"{sum(len(r) for r in at.values())} runs evaluated at this length (a verdict needs "
                       f"two seeds of every arm).", ""]
             lines += verdict_block([(key, 'not tested', seeds, "not reached on two seeds of every arm")])
