@@ -5,7 +5,7 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
 
     python lab/ablate.py blindspot   # paper 1: 8 arms + inter-loop norm + 2 init=gpt2 arms; report in assets/
     python lab/ablate.py matched     # paper 1's matched-depth claim: 4 per-loop arms, 1,000 steps, 3 seeds
-    python lab/ablate.py matched_long  # the same at 1,000, 3,000 and 10,000 steps of one run, 2 seeds
+    python lab/ablate.py matched_long  # the same at 1,000, 3,000 and 10,000 steps of one run, 3 seeds
     python lab/ablate.py init_split  # the blind-spot pair under each init's embedding and block matrices
     python lab/ablate.py init_gpt2   # the blind-spot pair under GPT-2's init, 3 seeds
     python lab/ablate.py deeploop    # paper 2: sandwich p 0, 1/4, 1/2 vs pre-norm, R 1-7, 4-5 LRs a block
@@ -182,7 +182,7 @@ PRESETS['matched'] = dict(
 # the same claim as training grows: each run trained to 10,000 steps and evaluated at 1,000 and 3,000 on
 # the way (at a constant LR the checkpoint at 1,000 steps is a 1,000-step run's)
 PRESETS['matched_long'] = dict(
-    PRESETS['matched'], report='matched_long', seeds=(1, 2), lengths=(1000, 3000, 10000),
+    PRESETS['matched'], report='matched_long', seeds=(1, 2, 3), lengths=(1000, 3000, 10000),
     title="Paper 1, matched inference depth as training grows: the four per-loop arms at 1,000, 3,000 and "
           "10,000 steps",
     arms=[arm(n, f'config/{n}.py', max_iters=10_000, eval_interval=50)
