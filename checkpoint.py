@@ -6,7 +6,12 @@ Checkpoints and random-number state: what a run needs to stop and continue bit f
     build_model(ckpt)        the GPT it describes, with its weights
     load_weights(model, sd)  weights into a model, whether saved from a compiled, DDP or plain model
     rng_state() / set_rng_state(s)   python, numpy, torch and CUDA generators as plain data
-    resume, check_tokens, load_optimizer, load_streams   what train.py continues from
+
+and what train.py calls to continue a run (or to refuse to start one over it):
+    resume(config, explicit) init_from: the checkpoint, and its config under the keys this command set
+    check_tokens(...)        the data's tokens are the ones the checkpoint trained on
+    restore(...)             the optimizer, every rank's random streams, the step counters
+    refuse_overwrite(...)    a run from scratch never overwrites an earlier run's checkpoint
 """
 import os
 import random
@@ -72,7 +77,7 @@ def load(path, device='cpu'):
 
 
 # keys that earlier versions of model.py had, with the only value this version implements
-RETIRED_KEYS = {'bias': False, 'tie_weights': True, 'exit_weights': ()}
+RETIRED_KEYS = {'bias': False, 'tie_weights': True, 'exit_weights': (), 'moe_where': 'loop'}
 
 
 # keys that earlier versions of model.py named otherwise: old name -> new name

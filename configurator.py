@@ -8,12 +8,17 @@ assignments override the defaults; `--key=value` sets one key, the value read as
 True/False, strings) or else taken as a string. The defaults live in one place per key: training keys are
 the globals at the top of train.py, model keys the fields of model.GPTConfig. An unknown key stops with the
 nearest known one suggested; a value must have its default's type (an int is fine where a float is
-expected); ranges are checked by check() below (training keys) and check_model (model keys).
+expected); ranges are checked by check() below (training keys) and check_model (model keys). --help (or -h)
+lists every key with its default and comment, read from the files that define them.
 """
 import ast
 import difflib
+import inspect
+import io
 import math
 import os
+import sys
+import tokenize
 import types
 from dataclasses import fields
 
@@ -39,7 +44,6 @@ MODEL_CHOICES = dict(
     adapter_init=('identity', 'default'),
     loop_sampling=('fixed', 'poisson_lognormal'),
     exit_gate=('none', 'learned'),
-    moe_where=('loop', 'all'),
 )
 # the integer keys and their least value
 INT_KEYS = dict(block_size=1, vocab_size=1, n_layer=1, n_loop=1, n_head=1, n_embd=1,
@@ -175,9 +179,9 @@ def coerce(key, value, default, where):
     return value
 
 
-def unknown_key(key, known, where, keys_at):
+def unknown_key(key, known, where, script):
     near = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {near[0]}?" if near else f"; see {keys_at}"
+    hint = f"; did you mean {near[0]}?" if near else f"; see python {os.path.basename(script)} --help"
     die(f"{where}unknown config key {key!r}{hint}")
 
 
@@ -221,9 +225,19 @@ def read_config_file(path, config):
             and not isinstance(ns[k], types.ModuleType) and not callable(ns[k])}  # skip imports, helpers
 
 
-def configure(defaults, argv, keys_at="train.py's globals and GPTConfig's fields"):
-    """Apply config files and --key=value overrides in order.
+TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+
+
+def configure(defaults, argv, script=TRAIN_PY):
+    """Apply config files and --key=value overrides in order; --help or -h prints the keys of defaults
+    (documented in `script` and, for the model keys, model.py) and exits.
     Returns (config, explicit): the full dict, and the set of keys that a file or flag set."""
+    if '--help' in argv or '-h' in argv:  # before any file is read or any key is checked
+        try:
+            print(help_text(defaults, script), flush=True)
+        except BrokenPipeError:  # `--help | head` read what it wanted: no traceback, none at exit either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     config, explicit = dict(defaults), set()
     for arg in argv:
         if arg.startswith('--'):
@@ -235,13 +249,74 @@ def configure(defaults, argv, keys_at="train.py's globals and GPTConfig's fields
             updates, where = read_config_file(arg, config), f"{arg}: "
         for key, value in updates.items():
             if key not in defaults:
-                unknown_key(key, defaults, '' if where == '--' else where, keys_at)
+                unknown_key(key, defaults, '' if where == '--' else where, script)
             config[key] = coerce(key, value, defaults[key], where)
             explicit.add(key)
     return config, explicit
 
 # -----------------------------------------------------------------------------
-# ranges of train.py's own keys (GPTConfig checks the model keys)
+# --help: the files that hold the defaults are their documentation
+
+def key_lines(path, keys):
+    """[(group, key, default, comment lines)] for each of `keys` that `path` assigns a literal to, at its
+    top level or in a class, in file order. A key line reads `name = value  # comment` (or `name: type =
+    value  # comment`); its comment may go on over deeper-indented comment lines below it; a comment line
+    just above a key, at its indentation, starts a group (train.py's `# I/O`, GPTConfig's `# ---- §1`)."""
+    with open(path, encoding='utf-8') as f:
+        source = f.read()
+    lines = source.splitlines()
+    comments = {t.start[0]: (t.start[1], t.string.lstrip('#').strip())  # line -> (column, text)
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    alone = lambda i: i in comments and not lines[i - 1][:comments[i][0]].strip()  # a comment-only line
+    out, group = [], None
+    for top in ast.parse(source).body:
+        for n in top.body if isinstance(top, ast.ClassDef) else [top]:
+            target = n.targets[0] if isinstance(n, ast.Assign) else getattr(n, 'target', None)
+            name = getattr(target, 'id', '') if isinstance(n, (ast.Assign, ast.AnnAssign)) else ''
+            if name not in keys or name in (row[1] for row in out):
+                continue
+            try:
+                ast.literal_eval(n.value)  # a default, not a later use of the name (block_size = ...)
+            except ValueError:
+                continue
+            if alone(n.lineno - 1) and comments[n.lineno - 1][0] == n.col_offset:
+                group = comments[n.lineno - 1][1].strip('- ')
+            i, text = n.end_lineno, []
+            if i in comments and not alone(i):
+                text.append(comments[i][1])
+                while alone(i + 1) and comments[i + 1][0] > n.col_offset:  # the comment goes on
+                    i += 1
+                    text.append(comments[i][1])
+            out.append((group, name, ast.get_source_segment(source, n.value), text))
+    return out
+
+
+def help_text(defaults, script):
+    """A usage line, then every key of defaults with its default and comment, grouped as in the files:
+    the script's globals, then GPTConfig's fields (for train.py)."""
+    name = os.path.basename(script)
+    files = [(script, f"{name}'s keys")]
+    if set(model_keys()) <= defaults.keys():
+        files.append((inspect.getsourcefile(GPTConfig), "the model's keys (model.py, GPTConfig)"))
+    out = [f"usage: python {name} [config_file.py ...] [--key=value ...]",
+           "Config files (Python assignments) and --key=value flags apply in order over these defaults."]
+    left = dict(defaults)
+    for path, title in files:
+        rows = key_lines(path, left)
+        width = max((len(f"{k} = {v}") for _, k, v, _ in rows), default=0) + 4
+        out.append(f"\n{title}:")
+        for i, (group, key, value, text) in enumerate(rows):
+            if group and (i == 0 or group != rows[i - 1][0]):
+                out.append(f"  # {group}")
+            out.append(f"  {f'{key} = {value}':<{width}}# {text[0]}" if text else f"  {key} = {value}")
+            out += [f"  {'':<{width}}# {t}" for t in text[1:]]
+            del left[key]
+    if left:  # a key no file assigns a literal to
+        out += ["\nother keys:"] + [f"  {k} = {v!r}" for k, v in left.items()]
+    return '\n'.join(out)
+
+# -----------------------------------------------------------------------------
+# ranges of train.py's own keys (check_model checks the model keys)
 
 TRAIN_CHOICES = dict(init_from=('scratch', 'resume', 'auto'), lr_schedule=('constant', 'cosine'),
                      dtype=('auto', 'float32', 'bfloat16', 'float16'))
@@ -282,19 +357,6 @@ def check(config):
     if os.path.basename(c['dataset']) != c['dataset'] or c['dataset'] in ('.', '..'):
         die(f"dataset={c['dataset']!r}: give a folder name under data/, like shakespeare_char")
     return gpt_config({k: c[k] for k in model_keys()})
-
-# -----------------------------------------------------------------------------
-# train.py's config, in one call
-
-def configure_run(defaults, argv):
-    """train.py's config: config files and --key=value (argv) over the defaults, and for a resumed run
-    (init_from=resume, or auto with a checkpoint in out_dir) over the checkpoint's config; every key
-    checked. Returns (config, the keys set explicitly, the checkpoint or None, the lines to print)."""
-    import checkpoint  # it imports this module: here, not at the top
-    config, explicit = configure(defaults, argv)
-    config, ckpt, notes = checkpoint.resume(config, explicit)
-    check(config)
-    return config, explicit, ckpt, notes
 
 
 def vocab_size(config, explicit, meta, data_dir):

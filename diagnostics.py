@@ -52,7 +52,7 @@ def visit_gradients(model, X, Y):
     model.transformer.h = nn.ModuleList(per_visit)  # the loop now calls the stand-ins
     try:
         with torch.enable_grad():
-            loss = model.loss(model.states(X), Y)
+            loss = model.loss(model.run(X), Y)
             names = [(j, name) for j, pv in enumerate(per_visit)
                      for name, w in pv.copies[0].items() if w.dim() == 2]
             flat = [per_visit[j].copies[r][n] for j, n in names for r in range(model.config.n_loop)]
@@ -91,10 +91,11 @@ def radial_gradient(model, X, Y, batch_size):
     for i in range(0, X.size(0), batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
         with torch.enable_grad():
-            states = model.states(idx)
+            out = model.run(idx)
+            states = out.states
             # with backprop_loops the early states have no graph: no gradient reaches them (fraction 0)
             live = [h for h in states if h.requires_grad]
-            live_grads = iter(torch.autograd.grad(model.loss(states, tgt), live, allow_unused=True))
+            live_grads = iter(torch.autograd.grad(model.loss(out, tgt), live, allow_unused=True))
             grads = [next(live_grads) if h.requires_grad else None for h in states]
             for k, (h, g) in enumerate(zip(states, grads)):
                 total_frac[k] += radial_fraction(g, h) if g is not None else 0.0
@@ -130,10 +131,10 @@ def clamped_states(model, idx, n_loop=None, clamp='none'):
     per-token RMS. The clamped state is what is read out and what enters the next loop."""
     assert clamp in CLAMPS, f"clamp={clamp!r}: choose one of {', '.join(CLAMPS)}"
     R = model.config.n_loop if n_loop is None else n_loop
-    h = e = model.prelude(idx)
+    h = e = model.prelude(model.embed(idx))
     states = []
     for k in range(1, R + 1):  # one loop at a time: the clamped h_k is what loop k+1 reads
-        h_prev, h = h, model.loops(h, e, [k])[0]
+        h_prev, h = h, model.loops(h, e, [k]).states[0]
         if k > 1 and clamp == 'radial':
             h = remove_radial(h, h_prev)
         elif k > 1 and clamp == 'freeze':

@@ -1,18 +1,20 @@
 """
-Decoding a looped GPT, in gpt-fast's order: sampling, the KV cache, fixed-depth decoding, generate, then
-self-speculative decoding (docs/decoding.md). Early exits (a token that stops before loop R, and what it
-leaves in the cache for the loops it skips) are in exits.py; generate calls it when an exit threshold is set.
+Decoding a looped GPT, in gpt-fast's order: sampling, the KV cache, one fixed-depth decode step,
+self-speculative decoding, then generate (docs/decoding.md). Early exits (a token that stops before
+loop R, and what it leaves in the cache for the loops it skips) are in exits.py; generate calls it
+when an exit threshold is set.
 
-The model knows nothing of this file: its attention asks the cache for a visit's slot
-(cache.slot(part, j, k)) and hands it the new keys and values (slot.update).
+The model knows nothing of this file: GPT.loops and GPT.untied ask the cache for a visit's slot
+(cache.slot(part, j, k)) and the attention hands it the new keys and values (slot.update).
 
     cache = KVCache(model, B, R, device, dtype)
     logits = decode_step(model, idx, cache, pos, R)            # all rows, all R loops
-    idx, used = generate(model, idx, max_new_tokens, temperature=0.8)
-    idx, used = generate(model, idx, max_new_tokens, exit_threshold=0.9)      # exits.py
-    idx, used = generate(model, idx, max_new_tokens, draft_loops=2, speculate=4)  # fixed-R's tokens
+    idx, used, stats = generate(model, idx, max_new_tokens, temperature=0.8)
+    idx, used, stats = generate(model, idx, max_new_tokens, exit_threshold=0.9)      # exits.py
+    idx, used, stats = generate(model, idx, max_new_tokens, draft_loops=2, speculate=4)  # fixed-R's
 """
 import copy
+from collections import Counter
 
 import torch
 from torch.nn import functional as F
@@ -48,7 +50,7 @@ class Slot:
     def __init__(self, k, v, reach=None, rows=slice(None)):
         self.k, self.v, self.reach, self.rows = k, v, reach, rows
 
-    def at(self, rows):
+    def through(self, rows):
         # the same tensors through other rows: a write through the view lands in this slot
         return Slot(self.k, self.v, self.reach, rows)
 
@@ -66,8 +68,17 @@ class Slot:
         if bool(seen.all()):
             return self.k[r, :, :pos + T], self.v[r, :, :pos + T]
         assert bool((seen == seen[:1]).all()), "'active' rows with other histories go one at a time"
-        at = seen[0].nonzero().squeeze(1)
-        return self.k[r][:, :, at], self.v[r][:, :, at]
+        cols = seen[0].nonzero().squeeze(1)
+        return self.k[r][:, :, cols], self.v[r][:, :, cols]
+
+    def copy_from(self, other, pos):
+        # another visit's keys and values at position pos, for these rows: a skipped visit (exits.py)
+        r = self.rows
+        self.k[r, :, pos], self.v[r, :, pos] = other.k[r, :, pos], other.v[r, :, pos]
+
+    def hide(self, pos):
+        # 'active': these rows' token at pos never reached this visit, so attention will not see it
+        self.reach[self.rows, pos] = False
 
 
 class KVCache:
@@ -91,7 +102,7 @@ class KVCache:
 
     def slot(self, part, j, k=1):
         s = self.slots[part][j] if part != 'loop' else self.slots['loop'][(k - 1) % self.n * self.K + j]
-        return s if self.rows is None else s.at(self.rows)
+        return s if self.rows is None else s.through(self.rows)
 
     def select(self, rows):
         # the cache seen through batch rows `rows` (None = all): for a model run on those rows only
@@ -111,71 +122,10 @@ def decode_step(model, idx, cache, pos, R):
     """Tokens idx (B, T) at positions pos..pos+T-1 through the prelude, loops 1..R and the coda, every row,
     writing their slots: the last position's logits at exit R (B, V). The prompt is one such step at
     pos 0 (the prefill), each new token one more at its position."""
-    e = model.prelude(idx, cache, pos)
-    h = model.loops(e, e, range(1, R + 1), cache, pos)[-1]
-    z = model.head_input(h, R, cache, pos)[:, -1]  # the coda sees every position: it writes their slots
+    e = model.prelude(model.embed(idx, pos), cache, pos)
+    h = model.loops(e, e, range(1, R + 1), cache, pos).states[-1]
+    z = model.coda_readout(h, R, cache, pos)[:, -1]  # the coda sees every position: it writes their slots
     return model.lm_head(z).float()
-
-# -----------------------------------------------------------------------------
-# generate
-
-@torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
-             exit_policy='maxprob', use_cache=True, kv_policy='recompute', kv_slots=None, draft_loops=None,
-             speculate=4, stats=None):
-    """Sample max_new_tokens after idx (B, T); returns (idx with them, loops per new token (B, new)).
-    Every token runs n_loop loops (default R); temperature 0 = greedy. With exit_threshold (exits.py)
-    a token stops at the first loop whose exit_policy score reaches it, and kv_policy (kv_slots for
-    'shared') says what it leaves in the slots of the loops it skips; the prompt and the first new token
-    (read off the prompt's pass) run all n_loop loops. draft_loops=k: self-speculative decoding, drafts of
-    `speculate` tokens from loops 1..k, kept where loops k+1..R confirm them: fixed-R decoding, exactly.
-    The caller passes arguments that make sense together (sample.py checks its flags). stats: a dict to
-    count in: refills (the window slid); drafted, checked and accepted drafts (speculative).
-
-    Past the block size the context is cropped as in nanoGPT, but half a block at a time: when the
-    window idx[:, start:] is full, it slides to its last block_size/2 tokens and the cache is refilled
-    from them (positions restart at 0 after a crop, so the old keys are invalid). A refill is one pass
-    over block_size/2 tokens every block_size/2 + 1 tokens: O(1) per token. The price: a token past the
-    first block sees block_size/2..block_size tokens of context, not always block_size. The uncached
-    path crops the same way, so both decode alike (docs/decoding.md)."""
-    R = model.config.n_loop if n_loop is None else n_loop
-    adaptive = exit_threshold is not None
-    # tied routing (§5) reads loop 1's experts in loops 2..R: one pass over the same rows (sample.py refuses)
-    assert not (model.config.tied_routing and (adaptive or draft_loops)), \
-        "tied_routing needs all loops in one pass over the same rows: no early exits, no speculative drafts"
-    threshold = exits.score_threshold(exit_policy, exit_threshold) if adaptive else None
-    stats = {} if stats is None else stats
-    for key in ('refills', 'drafted', 'checked', 'accepted'):
-        stats.setdefault(key, 0)
-    bs = model.config.block_size
-    start = max(0, idx.size(1) - bs)  # the context window is idx[:, start:]
-    cache, used_all, n_new = None, [], 0
-    while n_new < max_new_tokens:
-        if idx.size(1) - start > bs:
-            start, cache = idx.size(1) - max(1, bs // 2), None
-            stats['refills'] += 1
-        pos = idx.size(1) - 1 - start  # the last token's position in the window (once cached)
-        used = torch.full((idx.size(0),), float(R), device=idx.device)
-        if not use_cache:
-            logits = model(idx[:, start:], n_loop=R)[0][:, -1, :].float()
-        elif cache is None:  # the prefill: the window's every token, every loop
-            cache = KVCache(model, idx.size(0), R, idx.device, model.lm_head.weight.dtype, kv_policy,
-                            kv_slots)
-            logits = decode_step(model, idx[:, start:], cache, 0, R)
-        elif draft_loops:
-            # the drafts stay inside the window and the tokens asked for
-            gamma = min(speculate, bs - pos, max_new_tokens - n_new)
-            new = speculate_round(model, idx, cache, pos, R, draft_loops, gamma, temperature, top_k, stats)
-            idx, n_new = torch.cat((idx, new), dim=1), n_new + new.size(1)
-            used_all += [used] * new.size(1)
-            continue
-        elif adaptive:
-            logits, used = exits.adaptive_step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
-        else:
-            logits = decode_step(model, idx[:, -1:], cache, pos, R)
-        idx, n_new = torch.cat((idx, pick(logits, temperature, top_k)), dim=1), n_new + 1
-        used_all.append(used)
-    return idx, torch.stack(used_all, dim=1) if used_all else torch.zeros(idx.size(0), 0)
 
 # -----------------------------------------------------------------------------
 # self-speculative decoding: the first k loops draft, the rest verify; no second model
@@ -183,9 +133,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=Non
 def draft(model, idx, cache, pos, k):
     """Loops 1..k of the tokens idx (B, 1) at pos, writing their slots: exit k's logits (B, V) and the
     state (h_k, e) (B, 1, C) each that verify goes on from."""
-    e = model.prelude(idx, cache, pos)
-    h = model.loops(e, e, range(1, k + 1), cache, pos)[-1]
-    z = model.head_input(h, k, cache, pos)[:, -1]  # (its coda slot is rewritten by verify)
+    e = model.prelude(model.embed(idx, pos), cache, pos)
+    h = model.loops(e, e, range(1, k + 1), cache, pos).states[-1]
+    z = model.coda_readout(h, k, cache, pos)[:, -1]  # (its coda slot is rewritten by verify)
     return model.lm_head(z).float(), (h, e)
 
 
@@ -196,19 +146,19 @@ def verify(model, state, cache, pos, k, R):
     causal mask puts draft i after drafts 0..i-1), writing their slots of loops k+1..R and of the coda;
     where decoding reads the weights, T cost about what one does."""
     h, e = state
-    h = model.loops(h, e, range(k + 1, R + 1), cache, pos)[-1]
-    return model.lm_head(model.head_input(h, R, cache, pos)).float()
+    h = model.loops(h, e, range(k + 1, R + 1), cache, pos).states[-1]
+    return model.lm_head(model.coda_readout(h, R, cache, pos)).float()
 
 
-def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k, stats):
+def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
     """One round of self-speculative decoding after idx (B, T), whose last token (at pos) has not run
     yet: draft gamma tokens with loops 1..k, then verify them with loops k+1..R from the drafted states,
-    all gamma positions in one pass. Returns the 1..gamma tokens (B, n) kept, fixed-R decoding's own:
-    greedy, the same tokens; sampled, the same distribution (accept a draft x with probability
-    min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k), normalised). A batch keeps tokens up
-    to the first position some row rejects (exact for every row). Slots past the kept positions hold
-    drafts: each is rewritten before any query reads it (the next round drafts and verifies from the
-    first position not kept)."""
+    all gamma positions in one pass. Returns the 1..gamma tokens (B, n) kept, fixed-R decoding's own
+    (greedy, the same tokens; sampled, the same distribution: accept a draft x with probability
+    min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k), normalised), and the round's counts
+    of drafted, checked and accepted drafts. A batch keeps tokens up to the first position some row
+    rejects (exact for every row). Slots past the kept positions hold drafts: each is rewritten before
+    any query reads it (the next round drafts and verifies from the first position not kept)."""
     tok, drafts, states = idx[:, -1:], [], []
     for i in range(gamma):
         q_logits, state = draft(model, tok, cache, pos + i, k)
@@ -217,7 +167,7 @@ def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k, sta
         states.append(state)
     h, e = (torch.cat(s, dim=1) for s in zip(*states))   # (B, gamma, C) each
     p_all = verify(model, (h, e), cache, pos, k, R)       # (B, gamma, V)
-    out = []
+    out, counts = [], Counter(drafted=gamma * idx.size(0))
     for i, (q_logits, tok) in enumerate(drafts):
         p_logits = p_all[:, i]
         if temperature == 0:
@@ -230,10 +180,95 @@ def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k, sta
             rest = (p - q).clamp(min=0)
             rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # (rows that accept anyway)
             fix = torch.multinomial(rest, num_samples=1)
-        stats['checked'] += ok.numel()
-        stats['accepted'] += int(ok.sum())
+        counts.update(checked=ok.numel(), accepted=int(ok.sum()))
         out.append(torch.where(ok, tok, fix))
         if not bool(ok.all()):
             break
-    stats['drafted'] += gamma * idx.size(0)
-    return torch.cat(out, dim=1)
+    return torch.cat(out, dim=1), counts
+
+# -----------------------------------------------------------------------------
+# generate
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
+             exit_policy='maxprob', use_cache=True, kv_policy='recompute', kv_slots=None, draft_loops=None,
+             speculate=4):
+    """Sample max_new_tokens after idx (B, T). Returns idx with them, the loops each new token used
+    (B, new), and counts: refills (the window slid), drafted, checked and accepted drafts. Every token
+    runs n_loop loops (default R); temperature 0 = greedy. With exit_threshold (exits.py) a token stops
+    at the first loop whose exit_policy score reaches it, and kv_policy (kv_slots for 'shared') says what
+    it leaves in the slots it skips; the prompt and the first new token run all loops. draft_loops=k:
+    self-speculative decoding, drafts of `speculate` tokens from loops 1..k kept where loops k+1..R
+    confirm them: fixed-R decoding, exactly. The caller passes arguments that make sense together
+    (sample.py checks its flags). Past the block size the window slides to its last half and the cache
+    is refilled from it, as the uncached path crops (docs/decoding.md: O(1) per token)."""
+    R, bs = model.config.n_loop if n_loop is None else n_loop, model.config.block_size
+    # tied routing (§5) and hyper-connection lanes (§3) are carried from loop 1 in one pass over the same
+    # rows: no early exits, no speculative drafts (sample.py refuses them)
+    assert not ((model.config.tied_routing or model.config.hyper_lanes) and (exit_threshold is not None
+                                                                              or draft_loops)), \
+        "tied_routing and hyper_lanes need all loops in one pass over the same rows: no exits, no drafts"
+    threshold = None if exit_threshold is None else exits.score_threshold(exit_policy, exit_threshold)
+    start, cache, used = max(0, idx.size(1) - bs), None, []  # the context window is idx[:, start:]
+    stats = Counter(refills=0, drafted=0, checked=0, accepted=0)
+    while len(used) < max_new_tokens:
+        if idx.size(1) - start > bs:
+            start, cache = idx.size(1) - max(1, bs // 2), None
+            stats['refills'] += 1
+        pos = idx.size(1) - 1 - start  # the last token's position in the window (once cached)
+        loops = torch.full((idx.size(0),), float(R), device=idx.device)
+        if not use_cache:
+            logits = model(idx[:, start:], n_loop=R)[0][:, -1, :].float()
+        elif cache is None:  # the prefill: the window's every token, every loop
+            dtype = model.lm_head.weight.dtype
+            cache = KVCache(model, idx.size(0), R, idx.device, dtype, kv_policy, kv_slots)
+            logits = decode_step(model, idx[:, start:], cache, 0, R)
+        elif draft_loops:  # the drafts stay inside the window and the tokens asked for
+            gamma = min(speculate, bs - pos, max_new_tokens - len(used))
+            new, counts = speculate_round(model, idx, cache, pos, R, draft_loops, gamma, temperature, top_k)
+            idx, used = torch.cat((idx, new), dim=1), used + [loops] * new.size(1)
+            stats.update(counts)
+            continue
+        elif threshold is not None:
+            logits, loops = exits.adaptive_step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
+        else:
+            logits = decode_step(model, idx[:, -1:], cache, pos, R)
+        idx = torch.cat((idx, pick(logits, temperature, top_k)), dim=1)
+        used.append(loops)
+    return idx, torch.stack(used, dim=1) if used else torch.zeros(idx.size(0), 0), dict(stats)
+
+
+def conflicts(cfg, R, exit_threshold, exit_policy, kv_policy, kv_slots, draft_loops, speculate):
+    """Why these decoding options cannot run together on a model of config cfg at R loops, in the
+    terms of sample.py's flags, or None. speculate: None unless the user set it."""
+    adaptive, shared = exit_threshold is not None, kv_policy == 'shared'
+    rules = [
+        (not adaptive or exit_policy != 'gate' or cfg.exit_gate == 'learned', "--exit_policy=gate reads the "
+         "learned exit gate, and this model has none (exit_gate='none'): use maxprob, margin, entropy or kl"),
+        (not kv_slots or shared, f"--kv_slots={kv_slots} sets the slots of --kv_policy=shared: add it"),
+        (not shared or kv_slots, f"--kv_policy=shared needs --kv_slots=N, the slots per layer (1..{R})"),
+        (kv_slots <= R, f"--kv_slots={kv_slots}: a token runs only {R} loops, so at most {R} slots"),
+        (kv_policy not in ('copy', 'active') or adaptive or draft_loops,
+         f"--kv_policy={kv_policy} decides what exited tokens leave in the cache: add --exit_threshold"),
+        (draft_loops or speculate is None, f"--speculate={speculate} is the draft length: add --draft_loops"),
+        (draft_loops < R, f"--draft_loops={draft_loops}: drafts must use fewer loops than the {R} each "
+         f"token runs (1..{R - 1})"),
+        (not (draft_loops and adaptive), "--draft_loops gives fixed-depth tokens: drop --exit_threshold"),
+        (not (draft_loops and shared), "--draft_loops verifies with every loop's own slots: drop "
+         "--kv_policy=shared"),
+        # tied routing (§5): loops 2..R reuse loop 1's experts, from the same pass and the same rows
+        (not (cfg.tied_routing and adaptive), "--exit_threshold drops exited rows between loops, and this "
+         "model's tied_routing=True needs loop 1's experts for every row: drop --exit_threshold"),
+        (not (cfg.tied_routing and draft_loops), "--draft_loops verifies loops k+1.. in another pass, and "
+         "this model's tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops"),
+        # hyper-connections (§3): the lanes are carried from loop 1 within one pass, like tied routing
+        (not (cfg.hyper_lanes and (adaptive or draft_loops)), "--exit_threshold and --draft_loops run loop "
+         "k apart from loops 1..k-1, and this model's hyper-connection lanes are carried from loop 1 in one "
+         "pass: drop them")]
+    why = next((msg for ok, msg in rules if not ok), None)
+    if why is None and adaptive:
+        try:
+            exits.score_threshold(exit_policy, exit_threshold)  # within the policy's range
+        except ValueError as e:
+            why = f"--{e}"
+    return why

@@ -11,7 +11,7 @@ cumulative exit probability (Ouro).
 
 A row that exits at loop k skips loops k+1..R, but later tokens attend to those visits' slots. What it
 leaves there is the kv_policy:
-  recompute  the K/V of its exit state carried into the next loop, loop_input(h_k, e), in every skipped
+  recompute  the K/V of its exit state carried into the next loop, carry(h_k, e), in every skipped
              visit (CALM): exact for that state
   copy       the K/V it wrote at loop k for the same layer (Huginn): no compute at all
   shared     kv_slots slots per layer, loop k in slot (k-1) mod kv_slots (Huginn's sharing): memory
@@ -53,44 +53,33 @@ def exit_score(logits, policy):
         H = -(logp.exp() * logp).sum(-1)
         return 1.0 - H / math.log(logits.size(-1))
     raise ValueError(f"exit policy {policy!r}: choose one of maxprob, margin, entropy "
-                     f"(kl and gate need an ExitScorer)")
+                     f"(kl and gate need score_at_exit)")
 
 
-class ExitScorer:
-    """score(z_k, logits_k) -> (...), called for exits k = 1, 2, ... in order: how ready each
-    position is to stop at exit k (higher = readier). 'kl' scores -KL(p_{k-1} || p_k) between
-    successive exits (-inf at exit 1); 'gate' the learned gate's cumulative exit probability
-    1 - prod_{j<=k} (1 - lambda_j). keep(rows) follows the rows that stay in the batch."""
-
-    def __init__(self, model, policy):
-        self.model, self.policy = model, policy
-        self.prev = None  # kl: the last exit's log-probs; gate: the chance of not having exited yet
-
-    def __call__(self, z, logits):
-        if self.policy == 'gate':
-            lam = self.model.gate(z)
-            self.prev = 1 - lam if self.prev is None else self.prev * (1 - lam)
-            return 1 - self.prev
-        if self.policy == 'kl':
-            logp = logits.float().log_softmax(-1)
-            if self.prev is None:
-                out = torch.full(logp.shape[:-1], -math.inf, device=logp.device)
-            else:
-                out = -(self.prev.exp() * (self.prev - logp)).sum(-1)  # -KL(p_{k-1} || p_k)
-            self.prev = logp
-            return out
-        return exit_score(logits, self.policy)
-
-    def keep(self, rows):
-        self.prev = None if self.prev is None else self.prev[rows]
+def score_at_exit(model, policy, z, logits, prev=None):
+    """(score, prev') at exit k, called for k = 1, 2, ... in order: how ready each position is to stop
+    there (higher = readier), from its readout input z_k and logits_k (..., V), and what exit k+1's
+    score needs of it, passed back in as prev (None at exit 1). 'kl' scores -KL(p_{k-1} || p_k)
+    (-inf at exit 1) and passes log p_k on; 'gate' scores the learned gate's cumulative exit
+    probability 1 - prod_{j<=k} (1 - lambda_j) and passes the product on; the others need nothing."""
+    if policy == 'gate':
+        lam = model.gate(z)
+        stay = 1 - lam if prev is None else prev * (1 - lam)  # the chance of not having exited yet
+        return 1 - stay, stay
+    if policy == 'kl':
+        logp = logits.float().log_softmax(-1)
+        if prev is None:
+            return torch.full(logp.shape[:-1], -math.inf, device=logp.device), logp
+        return -(prev.exp() * (prev - logp)).sum(-1), logp  # -KL(p_{k-1} || p_k)
+    return exit_score(logits, policy), None
 
 
-def skip(model, cache, h, e, k, R, pos):
+def fill_skipped(model, cache, h, e, k, R, pos):
     """Rows that exit at loop k with state h (B', T, C) and prelude output e (cache: the cache seen
     through those rows) skip loops k+1..R: fill those visits' slots at pos as cache.policy says."""
     skipped = [(k2, j) for k2 in range(k + 1, R + 1) for j in range(cache.K)]
     if cache.policy == 'recompute':
-        x, rope = model.loop_input(h, e), model.rope(pos, h.size(1))  # what loop k+1 would read
+        x, rope = model.carry(h, e), model.rope(pos, h.size(1))  # what loop k+1 would read
         for k2, j in skipped:
             cache.slot('loop', j, k2).update(*model.transformer.h[j].keys_values(x, rope), pos)
     elif cache.policy in ('copy', 'shared'):
@@ -98,60 +87,58 @@ def skip(model, cache, h, e, k, R, pos):
         last = R if cache.policy == 'copy' else min(R, cache.n)
         for k2 in range(k + 1, last + 1):
             for j in range(cache.K):
-                to, exit_slot = cache.slot('loop', j, k2), cache.slot('loop', j, k)
-                r = to.rows
-                to.k[r, :, pos], to.v[r, :, pos] = exit_slot.k[r, :, pos], exit_slot.v[r, :, pos]
+                cache.slot('loop', j, k2).copy_from(cache.slot('loop', j, k), pos)
     else:  # active: loops k+1..R's attention will not see this position
         for k2, j in skipped:
-            slot = cache.slot('loop', j, k2)
-            slot.reach[slot.rows, pos] = False
+            cache.slot('loop', j, k2).hide(pos)
 
 
 @torch.no_grad()
-def exit_rows(model, idx, cache, pos, R, threshold, policy, rows=None):
+def adaptive_forward(model, idx, cache, pos, R, threshold, policy, rows=None):
     """Run tokens idx (B, T) at positions pos.. through up to R loops, writing the cache: the last
     position's logits (B, V) at each row's exit and the loops each row used (B,). A row stops at the
     first loop whose score reaches threshold (a score: see score_threshold), and leaves the batch for the
-    loops after it; skip fills the slots it skips. rows: the cache rows idx's rows are (default: all)."""
+    loops after it; fill_skipped fills the slots it skips. rows: the cache rows idx's rows are (default:
+    all)."""
     B = idx.size(0)
     every = torch.arange(B, device=idx.device)
 
-    def at(r):
+    def view(r):
         # the cache seen through idx's rows r; all of them as one slice, as fixed-depth decoding reads it
         return cache.select(rows[r] if rows is not None else None if r.numel() == B else r)
 
     logits = torch.zeros(B, model.config.vocab_size, device=idx.device)
     used = torch.full((B,), float(R), device=idx.device)
-    h = e = model.prelude(idx, at(every), pos)
-    score = ExitScorer(model, policy)
-    live = every                               # the rows still looping
+    h = e = model.prelude(model.embed(idx, pos), view(every), pos)
+    live, prev = every, None                   # the rows still looping; what their next score needs
     h_exit = torch.zeros_like(e)               # the state each row exited with (for the coda)
     for k in range(1, R + 1):
-        h, = model.loops(h, e, [k], at(live), pos)          # loop k, on the rows still looping
-        z = model.head_input(h, k, at(live), pos)[:, -1]    # (B', C); the coda writes its slots
-        logits_k = model.lm_head(z).float()                 # (B', V)
-        out = torch.ones_like(live, dtype=torch.bool) if k == R else score(z, logits_k) >= threshold
+        h, = model.loops(h, e, [k], view(live), pos).states  # loop k, on the rows still looping
+        z = model.coda_readout(h, k, view(live), pos)[:, -1]  # (B', C); the coda writes its slots
+        logits_k = model.lm_head(z).float()                   # (B', V)
+        score, prev = score_at_exit(model, policy, z, logits_k, prev)
+        out = torch.ones_like(live, dtype=torch.bool) if k == R else score >= threshold
         if not bool(out.any()):
             continue
         done = live[out]
         logits[done], used[done], h_exit[done] = logits_k[out], float(k), h[out]
         if k < R:
-            skip(model, at(done), h[out], e[out], k, R, pos)
+            fill_skipped(model, view(done), h[out], e[out], k, R, pos)
         live, stay = live[~out], ~out
         if live.numel() == 0:
             break
         h, e = h[stay], e[stay]                             # the next loops run on the rows that stay
-        score.keep(stay)
+        prev = None if prev is None else prev[stay]
     if model.config.n_coda:
-        model.run_untied('coda', h_exit, at(every), pos)    # the coda's slots at pos, from each exit state
+        model.untied('coda', h_exit, view(every), pos)      # the coda's slots at pos, from each exit state
     return logits, used
 
 
 def adaptive_step(model, idx, cache, pos, R, threshold, policy):
-    """exit_rows for the tokens idx (B, T) at pos; under kv_policy 'active' a batch goes one row at a
-    time, since each row's attention sees the positions that reached the loop in its own history."""
+    """adaptive_forward for the tokens idx (B, T) at pos; under kv_policy 'active' a batch goes one row
+    at a time, since each row's attention sees the positions that reached the loop in its own history."""
     if cache.policy != 'active' or idx.size(0) == 1:
-        return exit_rows(model, idx, cache, pos, R, threshold, policy)
-    out = [exit_rows(model, idx[b:b + 1], cache, pos, R, threshold, policy,
-                     rows=torch.tensor([b], device=idx.device)) for b in range(idx.size(0))]
+        return adaptive_forward(model, idx, cache, pos, R, threshold, policy)
+    out = [adaptive_forward(model, idx[b:b + 1], cache, pos, R, threshold, policy,
+                            rows=torch.tensor([b], device=idx.device)) for b in range(idx.size(0))]
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])

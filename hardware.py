@@ -5,7 +5,8 @@ Hardware policy: what this machine can run fast, decided in one place, outside t
     cpu_bf16_units()            the CPU's native bf16 matrix instructions, or None
     peak_flops(device_name)     a GPU's bf16 datasheet peak, for MFU
     attention_path(...)         the attention kernel attn_impl='auto' stands for
-    pick_device(name)           the torch device a --device flag names, if this machine has it
+    pick_device(name)           the torch device a --device flag names, if this machine has it (train.py
+                                through ops.init_processes, sample.py, lab/harness.py)
     flush_denormals()           fp32 values below 2^-126 count as zero on this CPU (much faster)
 
 Every choice here changes speed only, never the model's result (the tests check that every attention path
@@ -23,10 +24,10 @@ EXPLICIT_MAX_T = 512
 
 
 def attention_path(impl, device_type, dtype, Tk):
-    """The attention kernel 'auto' stands for, picked by measurement (README, Performance): the flash kernel
-    of F.scaled_dot_product_attention wherever it won (GPUs; fp32 on CPUs: level at T = 64, up to 3x ahead
-    at T = 1024), explicit attention for bf16/fp16 on CPUs up to EXPLICIT_MAX_T keys, where the CPU flash
-    kernel loses. fp16 on CPUs is not measured and follows bf16."""
+    """The attention kernel 'auto' stands for, picked by measurement (docs/performance.md, "Attention on a
+    CPU"): the flash kernel of F.scaled_dot_product_attention wherever it won (GPUs; fp32 on CPUs: level at
+    T = 64, up to 3x ahead at T = 1024), explicit attention for bf16/fp16 on CPUs up to EXPLICIT_MAX_T keys,
+    where the CPU flash kernel loses. fp16 on CPUs is not measured and follows bf16."""
     if impl != 'auto':
         return impl
     low = dtype in (torch.bfloat16, torch.float16)
@@ -63,8 +64,9 @@ def cpu_bf16_units():
 
 def auto_dtype(device_type):
     """What dtype='auto' trains in, with the reason: bf16 autocast on GPUs that have it (else fp16), and on
-    CPUs with bf16 units, where it measured 1.6-1.8x the fp32 step and kept the laptop blind-spot arms' CE
-    and norms (README, Performance); fp32 elsewhere."""
+    CPUs with bf16 units, where the default step measured 1.4-1.7x faster than fp32 (1 or 2 threads) and
+    the laptop blind-spot arms kept their CE and norms (docs/performance.md, "bf16 on a CPU"); fp32
+    elsewhere."""
     if device_type == 'cuda':
         return ('bfloat16', 'the GPU has bf16') if torch.cuda.is_bf16_supported() else \
             ('float16', 'the GPU lacks bf16')
@@ -83,7 +85,9 @@ def flush_denormals():
 
 
 def pick_device(name):
-    """(device, device_type) for --device, or a one-line error if this machine does not have it."""
+    """(device, device_type) for --device, 'auto' resolved, or a one-line error if this machine does not
+    have it: the one place that decides the device (under DDP, ops.init_processes then gives each rank
+    on CUDA its own GPU)."""
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
     try:

@@ -7,11 +7,13 @@ exit, where the state h_k can be read out into logits: per-loop supervision and 
 
 GPTConfig groups its keys by the paper each implements (formulas and numbers in docs/papers.md):
 the readout blind spot (§1), DeepLoop's depth-scaled post-norm blocks (§2), loop-scaled residuals
-(§3) and the recurrent-depth family: prelude, coda, injection, sampled depth, exit gate (§4).
+(§3), the recurrent-depth family: prelude, coda, injection, sampled depth, exit gate (§4), and
+Looped-MoE's experts (§5).
 
 Where to look: the loop is GPT.loops, the readout GPT.readout_norm, the loss GPT.loss, the scaling
-rule GPTConfig.alpha and GPTConfig.beta. The speed kernels (attention, the chunked cross-entropy)
-are in kernels.py; decoding (KV cache, early exits) is in engine.py and exits.py.
+rule GPTConfig.alpha and GPTConfig.beta. The speed kernels (attention, the chunked cross-entropy,
+the experts' grouped matmul) are in kernels.py; decoding (KV cache, early exits) is in engine.py and
+exits.py.
 """
 
 import inspect
@@ -24,7 +26,6 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import kernels
-from hardware import peak_flops
 
 LOOP_SIGMA = 0.5  # sigma of the sampled depth's log-normal (Huginn's 1/2, docs/papers.md §4)
 # depth_scaling by name -> the exponent p of alpha = (2N)^p and beta = (8N)^-p (§2)
@@ -58,7 +59,7 @@ class GPTConfig:
     block: str = 'preln'           # preln | postln (DeepNorm) | sandwich (DeepLoop), see Block
     depth_scaling: object = 'none'  # none | deepnorm (p = 1/4) | deeploop (p = 1/2) | a number p
     # ---- §3 loop-scaled residuals ----
-    loop_lambda: float = 0.0       # lambda of the branch multiplier eps = lambda/(R sqrt K); 0 = off
+    loop_lambda: float = 0.0       # lambda of the branch scale eps = lambda/(R sqrt K); 0 = off
     # ---- §4 the recurrent-depth family; the defaults switch every piece off ----
     n_prelude: int = 0             # untied blocks before the loop; their output e is re-injected
     n_coda: int = 0                # untied blocks after every exit, before the readout norm
@@ -67,14 +68,13 @@ class GPTConfig:
     loop_sampling: str = 'fixed'   # R per training step: fixed | poisson_lognormal (mean R + 1)
     max_loop: int = 0              # cap on the sampled R; 0 = 4 x n_loop
     backprop_loops: int = 0        # gradients through the last this many loops only; 0 = all
-    hyper_lanes: int = 0           # hyper-connections (§3): N lanes carried between loops; 0 = off
+    hyper_lanes: int = 0           # hyper-connections (§3): L lanes carried between loops; 0 = off
     exit_gate: str = 'none'        # none | learned: lambda_k = sigmoid(w . z_k + b)
     exit_entropy: float = 0.0      # learned gate: minus this times the entropy of p(k) in the loss
     # ---- §5 Looped-MoE: a mixture of experts in place of the MLP ----
     n_expert: int = 0              # E experts per MoE layer; 0 = the dense MLP
     top_k: int = 2                 # k experts per token (token choice, dropless)
     expert_hidden: int = 0         # an expert's hidden width; 0 = the MLP's 4C / k (active = dense)
-    moe_where: str = 'loop'        # loop (the K shared layers) | all (prelude and coda too)
     aux_loss_coef: float = 0.01    # weight of the load-balancing loss E sum_i f_i P_i
     z_loss_coef: float = 0.001     # weight of the router z-loss mean(logsumexp(logits)^2)
     tied_routing: bool = False     # loops 2..R reuse loop 1's experts, token by token
@@ -114,7 +114,7 @@ class GPTConfig:
         return (8 * self.n_unrolled) ** (-self.depth_exponent)  # §2: beta = (8N)^-p, init only
 
     @property
-    def eps(self):
+    def branch_scale(self):
         # §3 (Wang et al.): h <- h + eps f(h) with eps = lambda / (R sqrt K); 1 when off
         return self.loop_lambda / (self.n_loop * math.sqrt(self.n_layer)) if self.loop_lambda else 1.0
 
@@ -186,7 +186,7 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(activation(self.c_fc(x), self.swiglu)))
 
 
-Route = namedtuple('Route', 'logits idx')  # one visit's routing: logits (N, E) in fp32, experts (N, k)
+Route = namedtuple('Route', 'logits idx')  # one visit's routing: logits (BT, E) in fp32, experts (BT, k)
 
 
 class MoE(nn.Module):
@@ -194,33 +194,43 @@ class MoE(nn.Module):
     takes its top k. Token choice and dropless (no capacity): a token's experts never depend on the
     rest of the batch, so cached decoding routes as recompute does."""
 
-    def __init__(self, config, tied=False):
+    def __init__(self, config):
         super().__init__()
         E, C, k = config.n_expert, config.n_embd, config.top_k
         H = config.expert_hidden or 4 * C // k  # k experts of 4C/k: the dense MLP's active parameters
-        self.swiglu, self.top_k, self.tied = config.mlp == 'swiglu', k, tied
+        self.swiglu, self.top_k = config.mlp == 'swiglu', k
         self.router = nn.Linear(C, E, bias=False)
         # the experts' matrices stacked (E, in, out), each with nn.Linear's default init
         self.c_fc = nn.Parameter(torch.empty(E, C, (1 + self.swiglu) * H).uniform_(-C ** -0.5, C ** -0.5))
         self.c_proj = nn.Parameter(torch.empty(E, H, C).uniform_(-H ** -0.5, H ** -0.5))
         self.dropout = nn.Dropout(config.dropout)
-        self.visits = []  # this pass's Route per visit, in order: a shared layer's loop k at [k - 1]
 
-    def forward(self, x):
+    def forward(self, x, tied=None):
+        # (y, this visit's Route); tied: loop 1's experts (BT, k), which tied routing reuses (§5)
         B, T, C = x.size()
-        x = x.view(B * T, C)                               # (N, C): every token routes alone
-        logits = self.router(x).float()                    # (N, E), softmax over all E in fp32
+        x = x.view(B * T, C)                               # (BT, C): every token routes alone
+        with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32, under AMP too
+            logits = self.router(x.float())                # (BT, E)
         probs = logits.softmax(dim=-1)
-        if self.tied and self.visits:  # tied routing: loop 1's experts, weights from this visit's probs
-            idx = self.visits[0].idx
-        else:
-            idx = probs.topk(self.top_k, dim=-1).indices   # (N, k)
+        idx = probs.topk(self.top_k, dim=-1).indices if tied is None else tied  # (BT, k)
         w = probs.gather(-1, idx)
         w = w / w.sum(dim=-1, keepdim=True)                # the k weights renormalised
-        self.visits.append(Route(logits, idx))
         # y_t = sum_j w_tj expert_{idx_tj}(x_t), tokens grouped by expert (kernels.py)
         y = kernels.moe(x, idx, w, self.c_fc, self.c_proj, lambda h: activation(h, self.swiglu))
-        return self.dropout(y.view(B, T, C))
+        return self.dropout(y.view(B, T, C)), Route(logits, idx)
+
+
+def router_losses(routes):
+    # §5: the load-balancing loss E sum_i f_i P_i (f_i: the share of token slots sent to expert i,
+    # P_i: its mean router probability) and the z-loss mean(logsumexp(logits)^2), per layer per
+    # visit, then averaged: pooled over loops, experts used by one loop each would look balanced
+    balance, z = [], []
+    for logits, idx in routes:
+        E = logits.size(-1)
+        f = F.one_hot(idx, E).flatten(0, -2).float().mean(0)  # (E,) over the BT k slots, sums to 1
+        balance.append(E * (f * logits.softmax(-1).mean(0)).sum())
+        z.append(logits.logsumexp(-1).pow(2).mean())
+    return torch.stack(balance).mean(), torch.stack(z).mean()
 
 
 class Block(nn.Module):
@@ -231,21 +241,23 @@ class Block(nn.Module):
     sandwich: pre_norm = Norm, post_norm = Norm        Norm(alpha x + f(Norm x)) (DeepLoop, §2)
     """
 
-    def __init__(self, config, moe=False, tied=False):
+    def __init__(self, config, moe=False):
         super().__init__()
         pre, post = config.block in ('preln', 'sandwich'), config.block in ('postln', 'sandwich')
         norm = lambda on: make_norm(config.norm, config.n_embd) if on else nn.Identity()
         self.ln_1, self.ln_2 = norm(pre), norm(pre)     # pre-norms (GPT-2's names)
         self.pn_1, self.pn_2 = norm(post), norm(post)   # post-norms
         self.attn = CausalSelfAttention(config)
-        self.mlp = MoE(config, tied) if moe else MLP(config)  # experts where §5 puts them
+        self.mlp = MoE(config) if moe else MLP(config)  # experts where §5 puts them
         self.alpha = config.alpha       # docs/papers.md §2: alpha = (2N)^p on the skip path
-        self.eps = config.eps           # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
+        self.eps = config.branch_scale  # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
-    def forward(self, x, rope=None, kv=None, pos=0):
+    def forward(self, x, rope=None, kv=None, pos=0, tied=None):
+        # (x after the block, the experts' Route of this visit or None)
         x = self.pn_1(self.residual(x, self.attn(self.ln_1(x), rope, kv, pos)))
-        x = self.pn_2(self.residual(x, self.mlp(self.ln_2(x))))
-        return x
+        u = self.ln_2(x)
+        y, route = self.mlp(u, tied) if isinstance(self.mlp, MoE) else (self.mlp(u), None)
+        return self.pn_2(self.residual(x, y)), route
 
     def keys_values(self, x, rope=None):
         # the keys and values this block's attention computes from x (B, T, C): what a cache holds
@@ -258,12 +270,45 @@ class Block(nn.Module):
         return (x if self.alpha == 1 else self.alpha * x) + (fx if self.eps == 1 else self.eps * fx)
 
 
+class Lanes(nn.ParameterList):
+    """Hyper-connections (docs/papers.md §3): L lanes, each e at first, carry the recurrence. Per loop k
+    alpha_k (L), M_k (L x L), beta_k (L) in one 1-D tensor (no weight decay, no matrix init), at the
+    cyclic init alpha_k = e_(k-1 mod L), M_k = I, beta_k = 1, so that loop 1 is the plain loop."""
+
+    def __init__(self, L, n_loop):
+        I = torch.eye(L)
+        super().__init__(torch.cat([I[k % L], I.flatten(), torch.ones(L)]) for k in range(n_loop))
+        self.L = L
+
+    def read(self, lanes, k):
+        # u = sum_l alpha_l lane_l, what loop k's blocks read; lanes (L, B, T, C)
+        return torch.einsum('l,l...->...', self[k - 1][:self.L], lanes)
+
+    def write(self, lanes, s, k):
+        # lanes <- M lanes + beta s, s the normed state after loop k
+        L = self.L
+        _, M, beta = self[k - 1].split([L, L * L, L])
+        return torch.einsum('ml,l...->m...', M.view(L, L), lanes) + beta.view(L, 1, 1, 1) * s
+
+
 def exit_distribution(lam):
     # docs/papers.md §4 (Ouro): p(k) = lambda_k prod_{j<k} (1 - lambda_j) for k < R; the last exit
     # takes the rest, so p sums to 1. lam (R, ...) -> p (R, ...)
     stay = torch.cumprod(1 - lam, dim=0)                       # prod_{j<=k} (1 - lambda_j)
     before = torch.cat([torch.ones_like(lam[:1]), stay[:-1]])  # prod_{j<k}
     return torch.cat([lam[:-1] * before[:-1], before[-1:]])
+
+
+def gate_loss(ce, lam, exit_entropy, valid):
+    # §4 (Ouro): per token sum_k p(k) CE_k - exit_entropy * H(p), p the exit distribution of the
+    # learned gate's lambdas; ce, lam (R, BT), valid (BT,) the tokens with a target
+    p = exit_distribution(lam)
+    H = -(p * p.clamp(min=1e-12).log()).sum(0)
+    per_token = (p * ce).sum(0) - exit_entropy * H
+    return (per_token * valid).sum() / valid.sum().clamp(min=1)
+
+
+Loops = namedtuple('Loops', 'states routes')  # [h_k], and each shared layer's Route per visit (§5)
 
 
 class GPT(nn.Module):
@@ -278,28 +323,23 @@ class GPT(nn.Module):
             'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C)
         ln_loop = dict(none=nn.Identity(), readout=ln_out).get(config.inter_loop_norm) \
             or make_norm(config.inter_loop_norm, C)
-        moe, everywhere = config.n_expert > 0, config.moe_where == 'all'
-        blocks = lambda n, moe, tied=False: nn.ModuleList([Block(config, moe, tied) for _ in range(n)])
+        blocks = lambda n, moe=False: nn.ModuleList([Block(config, moe) for _ in range(n)])
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, C),
             wpe=nn.Embedding(config.block_size, C) if config.pos == 'learned' else nn.Identity(),
             drop=nn.Dropout(config.dropout),
             # DeepLoop norms the embedding, so a post-norm stack starts at RMS(x) = 1
             ln_emb=make_norm(config.norm, C) if config.block != 'preln' else nn.Identity(),
-            prelude=blocks(config.n_prelude, moe and everywhere),  # untied, run once (§4)
-            h=blocks(config.n_layer, moe, config.tied_routing),     # the K shared layers
-            coda=blocks(config.n_coda, moe and everywhere),         # untied, at every exit (§4)
+            prelude=blocks(config.n_prelude),             # untied, run once (§4)
+            h=blocks(config.n_layer, config.n_expert > 0),  # the K shared layers, experts in them (§5)
+            coda=blocks(config.n_coda),                   # untied, at every exit (§4)
             ln_loop=ln_loop,
             ln_out=ln_out,
         ))
         if config.injection in ('concat', 'iso'):
             self.transformer.adapter = nn.Linear(2 * C, C, bias=False)  # W [x; e] (Huginn), W [e; s] (§3)
         if config.hyper_lanes:
-            # §3: per loop k, alpha_k (N), M_k (N x N), beta_k (N) in one 1-D tensor (no weight decay, no
-            # matrix init), at the cyclic init alpha_k = e_(k-1 mod N), M_k = I, beta_k = 1
-            I = torch.eye(config.hyper_lanes)
-            self.transformer.lanes = nn.ParameterList(
-                torch.cat([I[k % len(I)], I.flatten(), torch.ones(len(I))]) for k in range(config.n_loop))
+            self.transformer.lanes = Lanes(config.hyper_lanes, config.n_loop)  # §3
         if config.exit_gate == 'learned':
             self.exit_gate = nn.Linear(C, 1)  # lambda_k = sigmoid(w . z_k + b) (Ouro, §4)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
@@ -310,41 +350,7 @@ class GPT(nn.Module):
             freqs = torch.outer(torch.arange(config.block_size).float(), inv_freq)  # (T, hs/2)
             self.register_buffer('rope_cos', freqs.cos(), persistent=False)
             self.register_buffer('rope_sin', freqs.sin(), persistent=False)
-        self._init_weights()
-
-    @torch.no_grad()
-    def _init_weights(self):
-        cfg, C = self.config, self.config.n_embd
-        if cfg.init == 'reference':
-            # paper 1's code keeps PyTorch's defaults (Kaiming-uniform Linear, N(0, 1) embedding):
-            # the initial state norm is about sqrt(C) (docs/papers.md §1)
-            nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
-        else:
-            # N(0, 0.02) for every matrix and no residual scaling: DeepLoop's baseline ("standard init,
-            # no residual scaling", docs/papers.md §2), the same at every R. Depth scaling then only
-            # multiplies by beta below, so p -> 0 meets p = 0. (GPT-2's own 1/sqrt(2N) is not used.)
-            for p in self.parameters():
-                if p.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
-                    nn.init.normal_(p, mean=0.0, std=0.02)
-        if cfg.embd_std > 0:
-            # one init's embedding scale under the other's block matrices: it splits the two (§1)
-            for emb in (self.transformer.wte, self.transformer.wpe):
-                if isinstance(emb, nn.Embedding):
-                    nn.init.normal_(emb.weight, mean=0.0, std=cfg.embd_std)
-        # docs/papers.md §2: beta is an init-only gain on W_v, the attention output projection and
-        # every MLP matrix (not on W_q, W_k or the embeddings)
-        if cfg.beta != 1.0:
-            for block in (*self.transformer.prelude, *self.transformer.h, *self.transformer.coda):
-                block.attn.c_attn.weight[2 * C:] *= cfg.beta   # the W_v rows of the q|k|v matrix
-                # the MLP's matrices: a Linear's weight, or every expert's stacked (§5; not the router)
-                ffn = [getattr(m, 'weight', m) for m in (block.mlp.c_fc, block.mlp.c_proj)]
-                for w in (block.attn.c_proj.weight, *ffn):
-                    w *= cfg.beta
-        if cfg.injection in ('concat', 'iso') and cfg.adapter_init == 'identity':
-            # docs/papers.md §3 (iso-depth): W = [I 0], so at first W [x; e] = x passes the state through
-            # and the paper's W [e; s] = e reads the prelude output
-            eye = torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1)
-            self.transformer.adapter.weight.copy_(eye)
+        init_weights(self)
 
     def get_num_params(self, non_embedding=True):
         # parameters() yields a shared tensor once: the K layers count once however many loops
@@ -369,24 +375,20 @@ class GPT(nn.Module):
             return None
         return self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
 
-    def run_untied(self, part, x, cache=None, pos=0):
-        # the prelude or the coda (§4): blocks of their own, run once per pass, each with a cache slot
+    def untied(self, part, x, cache=None, pos=0):
+        # the prelude or the coda (§4): dense blocks of their own, run once per pass, each with a slot
         rope = self.rope(pos, x.size(1))
         for j, block in enumerate(self.transformer[part]):
-            x = block(x, rope, None if cache is None else cache.slot(part, j), pos)
+            x, _ = block(x, rope, None if cache is None else cache.slot(part, j), pos)
         return x
 
-    def prelude(self, idx, cache=None, pos=0):
-        # e, what loop 1 reads and injection re-feeds: the embedded tokens after the prelude (§4).
-        # A pass starts here: the experts forget the last pass's routing (§5)
-        for moe in self.moe_layers():
-            moe.visits.clear()
-        return self.run_untied('prelude', self.embed(idx, pos), cache, pos)
+    def prelude(self, x, cache=None, pos=0):
+        # e, what loop 1 reads and the injection re-feeds: the embedded tokens x after the prelude
+        return self.untied('prelude', x, cache, pos)
 
-    def loop_input(self, h, e, k=2):
-        # what enters loop k: the inter-loop norm (§1), then the prelude output e (§4); 'iso' (§3) acts
-        # before loop 1 too, on s_0 = e
-        x = self.transformer.ln_loop(h) if k > 1 else h
+    def inject(self, x, e):
+        # the prelude output e re-enters (§4): added, or through the adapter W [x; e] (Huginn) or
+        # W [e; s] (iso-depth, §3, which acts before loop 1 too, on s_0 = e)
         if self.config.injection == 'add':
             return x + e
         if self.config.injection == 'concat':
@@ -395,42 +397,46 @@ class GPT(nn.Module):
             return self.transformer.adapter(torch.cat([e, x], dim=-1))  # u = W [e; s]
         return x
 
+    def carry(self, h, e):
+        # what loop k+1 reads of h_k: the inter-loop norm (§1), then the injection (§4)
+        return self.inject(self.transformer.ln_loop(h), e)
+
     def loops(self, x, e, ks, cache=None, pos=0):
-        """The recurrence h_k = blocks(loop_input(h_{k-1}, e)), h_0 = e, for the loops k in ks (in
-        order: range(1, R + 1) is a whole pass). x (B, T, C) is what the first of them reads: e for
-        loop 1, else h_{k-1}. Returns [h_k for k in ks], each the state after loop k's blocks,
-        before any norm: where ||h_k|| is measured (docs/papers.md §1)."""
-        rope, states = self.rope(pos, x.size(1)), []
-        last, b, grad = ks[-1], self.config.backprop_loops, torch.is_grad_enabled()
-        N = self.config.hyper_lanes  # §3: N lanes, each e at first, carry the recurrence instead of h_k
-        assert not N or (ks[0] == 1 and last <= self.config.n_loop), "hyper-connections run loops 1..n_loop"
-        lanes = e.expand(N, *e.shape) if N else None
+        """The recurrence h_k = blocks(carry(h_{k-1}, e)), h_0 = e, for the loops k in ks (in order:
+        range(1, R + 1) is a whole pass). x (B, T, C) is what the first of them reads: e for loop 1,
+        else h_{k-1}. Returns Loops([h_k for k in ks], routes): each h_k the state after loop k's
+        blocks, before any norm, where ||h_k|| is measured (docs/papers.md §1); routes the experts'
+        choice at every visit of a shared layer, in order (§5; [] when dense)."""
+        cfg, rope, states, routes = self.config, self.rope(pos, x.size(1)), [], []
+        last, b, grad = ks[-1], cfg.backprop_loops, torch.is_grad_enabled()
+        lanes = e.expand(cfg.hyper_lanes, *e.shape) if cfg.hyper_lanes else None  # §3, L lanes
+        assert not (cfg.hyper_lanes or cfg.tied_routing) or ks[0] == 1, "these loops run from loop 1"
         for k in ks:
             # truncated backprop (§4): only the last b loops build a graph (b = 0: all of them)
             with torch.set_grad_enabled(grad and (b == 0 or k > last - b)):
-                if N:
-                    alpha, M, beta = self.transformer.lanes[k - 1].split([N, N * N, N])
-                    x = torch.einsum('n,n...->...', alpha, lanes)  # u = sum_n alpha_n lane_n
-                elif k > 1 or self.config.injection == 'iso':
-                    x = self.loop_input(x, e, k)
+                if lanes is not None:
+                    x = self.transformer.lanes.read(lanes, k)
+                elif k > 1:
+                    x = self.carry(x, e)
+                elif cfg.injection == 'iso':
+                    x = self.inject(x, e)
                 for j, block in enumerate(self.transformer.h):  # the same K blocks every round
-                    x = block(x, rope, None if cache is None else cache.slot('loop', j, k), pos)
-                if N:  # lanes <- M lanes + beta s, s the normed state; exit k reads the lanes' sum
-                    s = self.transformer.ln_loop(x)
-                    lanes = torch.einsum('mn,n...->m...', M.view(N, N), lanes) + beta.view(N, 1, 1, 1) * s
+                    # tied routing (§5): loops 2..R take loop 1's experts, token by token
+                    tied = routes[j].idx if cfg.tied_routing and k > 1 else None
+                    x, route = block(x, rope, None if cache is None else cache.slot('loop', j, k), pos, tied)
+                    routes += [route] if route else []
+                if lanes is not None:  # exit k reads the lanes' sum
+                    lanes = self.transformer.lanes.write(lanes, self.transformer.ln_loop(x), k)
                     x = lanes.sum(0)
             states.append(x)
-        return states
+        return Loops(states, routes)
 
-    def states(self, idx, n_loop=None):
-        # [h_1, ..., h_R] of tokens idx (B, T); n_loop overrides the trained R
+    def run(self, idx, n_loop=None):
+        # the Loops of tokens idx (B, T) through the whole pass; n_loop overrides the trained R
         R = self.config.n_loop if n_loop is None else n_loop
         assert isinstance(R, int) and R >= 1, f"n_loop must be an integer >= 1, got {R!r}"
-        e = self.prelude(idx)
+        e = self.prelude(self.embed(idx))
         return self.loops(e, e, range(1, R + 1))
-
-    def moe_layers(self):
-        return [m for m in self.modules() if isinstance(m, MoE)]
 
     # ---- the readout ----
     def readout_norm(self, h, k, R=None):
@@ -443,15 +449,15 @@ class GPT(nn.Module):
             return h
         return self.transformer.ln_out(h)
 
-    def head_input(self, h, k, cache=None, pos=0, R=None):
+    def coda_readout(self, h, k, cache=None, pos=0, R=None):
         # z_k, what the LM head and the exit gate read at exit k: the coda, then the readout norm. Under
         # 'iso' the coda reads the normed state s_k, as the loop after it would (§3)
         h = self.transformer.ln_loop(h) if self.config.injection == 'iso' else h
-        return self.readout_norm(self.run_untied('coda', h, cache, pos), k, R)
+        return self.readout_norm(self.untied('coda', h, cache, pos), k, R)
 
     def readout(self, h, k):
         # the logits of exit k (1-based) from its state h_k: (..., C) -> (..., V)
-        return self.lm_head(self.head_input(h, k))
+        return self.lm_head(self.coda_readout(h, k))
 
     def gate(self, z):
         # §4 (Ouro): lambda_k = sigmoid(w . z_k + b), the chance to stop at exit k if no earlier
@@ -463,77 +469,52 @@ class GPT(nn.Module):
         # docs/papers.md §1: per-loop = (1/R) sum_k CE_k; terminal = CE_R only
         return [1.0 / R] * R if self.config.supervision == 'per_loop' else [0.0] * (R - 1) + [1.0]
 
-    def scale_penalty(self, states):
-        # §1: norm_penalty * mean_k mean_{b,t,d} h_k^2 over the pre-norm states of all R loops, also
-        # when only the last loop is supervised
-        mean_sq = torch.stack([h.float().pow(2).mean() for h in states])
-        return self.config.norm_penalty * mean_sq.mean()
-
-    def gate_loss(self, zs, targets):
-        # §4 (Ouro): per token sum_k p(k) CE_k - exit_entropy * H(p), p the exit distribution of
-        # the learned gate over the exits' inputs zs [z_1..z_R] (B, T, C)
-        W = self.lm_head.weight
-        ce = torch.stack([kernels.token_ce(z, W, targets) for z in zs])         # (R, B*T)
-        p = exit_distribution(torch.stack([self.gate(z).flatten() for z in zs]))  # (R, B*T)
-        H = -(p * p.clamp(min=1e-12).log()).sum(0)
-        valid = (targets.reshape(-1) != -1).float()
-        per_token = (p * ce).sum(0) - self.config.exit_entropy * H
-        return (per_token * valid).sum() / valid.sum().clamp(min=1)
-
     def exit_inputs(self, states):
         # z_k of the supervised exits, each read under this pass's R (a sampled depth's)
         R = len(states)
         exits = [k for k, w in enumerate(self.exit_weights(R), start=1) if w > 0]
-        return [self.head_input(states[k - 1], k, R=R) for k in exits]
+        return [self.coda_readout(states[k - 1], k, R=R) for k in exits]
 
-    def loss(self, states, targets, zs=None):
-        # the weighted exit CEs (or the gate's expected CE) of the loop states + the norm penalty;
-        # zs: the exits' inputs, if the caller has them already
+    def loss(self, out, targets, zs=None):
+        # the weighted exit CEs (or the gate's expected CE) of a pass's Loops, the norm penalty and
+        # the experts' router losses; zs: the exits' inputs, if the caller has them already
+        cfg, W, states = self.config, self.lm_head.weight, out.states
         zs = self.exit_inputs(states) if zs is None else zs
-        if self.config.exit_gate == 'learned':
-            loss = self.gate_loss(zs, targets)
+        if cfg.exit_gate == 'learned':
+            ce = torch.stack([kernels.token_ce(z, W, targets) for z in zs])      # (R, B*T)
+            lam = torch.stack([self.gate(z).flatten() for z in zs])              # (R, B*T)
+            loss = gate_loss(ce, lam, cfg.exit_entropy, (targets.reshape(-1) != -1).float())
         else:
             # sum_k w_k CE(z_k W^T, y), computed without keeping R (B, T, V) logits (kernels.py)
             weights = tuple(w for w in self.exit_weights(len(states)) if w > 0)
-            W = self.lm_head.weight
             loss = kernels.LinearCrossEntropy.apply(W, targets, weights, torch.stack(zs))
-        if self.config.norm_penalty > 0:
-            loss = loss + self.scale_penalty(states)
-        if self.config.n_expert:
-            balance, z = self.router_losses()
-            loss = loss + self.config.aux_loss_coef * balance + self.config.z_loss_coef * z
+        if cfg.norm_penalty > 0:
+            # §1: lambda * mean_k mean_{b,t,d} h_k^2 over the pre-norm states of all R loops, also
+            # when only the last loop is supervised
+            loss = loss + cfg.norm_penalty * torch.stack([h.float().pow(2).mean() for h in states]).mean()
+        if cfg.n_expert:
+            balance, z = router_losses(out.routes)
+            loss = loss + cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
         return loss
-
-    def router_losses(self):
-        # §5: the load-balancing loss E sum_i f_i P_i (f_i: the share of token slots sent to expert i,
-        # P_i: its mean router probability) and the z-loss mean(logsumexp(logits)^2), per layer per
-        # visit, then averaged: pooled over loops, experts used by one loop each would look balanced
-        balance, z = [], []
-        for moe in self.moe_layers():
-            for logits, idx in moe.visits:
-                E = logits.size(-1)
-                f = F.one_hot(idx, E).flatten(0, -2).float().mean(0)  # (E,) over the N k slots, sums to 1
-                balance.append(E * (f * logits.softmax(-1).mean(0)).sum())
-                z.append(logits.logsumexp(-1).pow(2).mean())
-        return torch.stack(balance).mean(), torch.stack(z).mean()
 
     def forward(self, idx, targets=None, n_loop=None):
         # the logits of the last position at the final exit (B, 1, V); with targets, the loss too
-        states = self.states(idx, n_loop)
+        out = self.run(idx, n_loop)
         if targets is None:  # inference: the coda sees every position, the head only the last
-            return self.lm_head(self.head_input(states[-1], len(states))[:, [-1], :]), None
-        zs = self.exit_inputs(states)  # the last is exit R's: every supervision reads exit R
-        return self.lm_head(zs[-1][:, [-1], :]), self.loss(states, targets, zs)
+            return self.lm_head(self.coda_readout(out.states[-1], len(out.states))[:, [-1], :]), None
+        zs = self.exit_inputs(out.states)  # the last is exit R's: every supervision reads exit R
+        return self.lm_head(zs[-1][:, [-1], :]), self.loss(out, targets, zs)
 
     @torch.no_grad()
     def exit_metrics(self, idx, targets, n_loop=None):
-        # diagnostics: the CE at every exit 1..R, and the mean per-token norm ||h_k|| of every loop
-        states = self.states(idx, n_loop)
+        # diagnostics: the CE at every exit 1..R, the mean per-token norm ||h_k|| of every loop, and
+        # the experts' (balance, z-loss) of this pass (None when dense)
+        out = self.run(idx, n_loop)
         W = self.lm_head.weight
-        ce = torch.stack([kernels.cross_entropy_chunked(self.head_input(h, k), W, targets)
-                          for k, h in enumerate(states, start=1)])
-        norms = torch.stack([h.float().norm(dim=-1).mean() for h in states])
-        return ce, norms  # (R,), (R,)
+        ce = torch.stack([kernels.cross_entropy_chunked(self.coda_readout(h, k), W, targets)
+                          for k, h in enumerate(out.states, start=1)])
+        norms = torch.stack([h.float().norm(dim=-1).mean() for h in out.states])
+        return ce, norms, torch.stack(router_losses(out.routes)) if out.routes else None  # (R,), (R,), (2,)
 
     # ---- the optimizer, as in nanoGPT ----
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
@@ -547,57 +528,36 @@ class GPT(nn.Module):
         extra = dict(fused=True) if fused and device_type in ('cuda', 'cpu') else {}
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 
-# -----------------------------------------------------------------------------
-# accounting, as in nanoGPT
 
-
-def param_counts(model):
-    # (N_once, N_rec) as the iso-depth scaling law counts them (docs/isodepth.md): N_once the blocks
-    # run once (prelude, coda) and the norms outside the loop, N_rec the K shared blocks, the inter-loop
-    # norm and the concat adapter (2 C^2, which the paper counts with the looped block). The embedding,
-    # positions, LM head and exit gate are in neither: N is the law's non-embedding count
-    t = model.transformer
-    n = lambda *parts: sum(p.numel() for part in parts for p in part.parameters())
-    loop_norm = () if t.ln_loop is t.ln_out else (t.ln_loop,)  # 'readout': the readout norm, once
-    rec = (t.h, *loop_norm, *(t[part] for part in ('adapter', 'lanes') if part in t))
-    return n(t.prelude, t.coda, t.ln_emb, t.ln_out), n(*rec)
-
-
-def flops_per_token(model, T=None, n_loop=None):
-    # training flops per token: forward + backward = 6 per weight use (PaLM appendix B)
-    cfg = model.config
-    T = cfg.block_size if T is None else T
-    R = cfg.n_loop if n_loop is None else n_loop
-    n_exits = sum(w > 0 for w in model.exit_weights(R))
-    # truncated backprop (§4): loops 1..R-b build no graph, so they cost the forward pass only,
-    # 2 flops per weight use and a third of the attention's 12 C T (the adapter before loop k is loop k's)
-    free = R - cfg.backprop_loops if 0 < cfg.backprop_loops < R else 0
-    # the K layers run every loop, the coda and head at every supervised exit, the prelude
-    # once, the injection adapter before every loop after the first
-    N = cfg.hyper_lanes  # the lanes' mixing: (N^2 + 2N) C per loop, as the paper counts it (§3)
-    adapter = 2 * cfg.n_embd ** 2 if cfg.injection in ('concat', 'iso') else (N * N + 2 * N) * cfg.n_embd
-    first = cfg.injection != 'concat'  # iso's W and the lanes act before loop 1 too
-    # weights in use: a token's k experts of E and the router (active_params, §5)
-    head = active_params(model.transformer.coda) + cfg.vocab_size * cfg.n_embd
-    loops = lambda n: active_params(model.transformer.h) * n + adapter * max(n - 1 + first, 0)  # loops 1..n
-    weights = loops(R) - loops(free) + active_params(model.transformer.prelude)
-    visits = cfg.n_layer * (R - free) + cfg.n_prelude + cfg.n_coda * n_exits
-    attn = 12 * visits * cfg.n_embd * T + 4 * cfg.n_layer * free * cfg.n_embd * T  # QK^T and AV per visit
-    return 6 * (weights + head * n_exits) + 2 * loops(free) + attn
-
-
-def active_params(module):
-    # the parameters one token uses: k of an MoE layer's E stacked experts (§5), all of everything else
-    share = lambda m, p: m.top_k / len(p) if isinstance(m, MoE) and p.dim() == 3 else 1
-    return round(sum(p.numel() * share(m, p) for m in module.modules() for p in m.parameters(recurse=False)))
-
-
-def estimate_mfu(model, fwdbwd_per_iter, dt, peak=None, T=None):
-    # model flops utilisation of fwdbwd_per_iter sequences in dt seconds against peak FLOP/s;
-    # by default the bf16 peak of this CUDA device (hardware.peak_flops; None if unknown)
-    T = model.config.block_size if T is None else T
-    if peak is None and torch.cuda.is_available():
-        peak = peak_flops(torch.cuda.get_device_name())
-    if peak is None:
-        return None
-    return flops_per_token(model, T) * T * fwdbwd_per_iter / dt / peak
+@torch.no_grad()
+def init_weights(model):
+    cfg, C, t = model.config, model.config.n_embd, model.transformer
+    if cfg.init == 'reference':
+        # paper 1's code keeps PyTorch's defaults (Kaiming-uniform Linear, N(0, 1) embedding):
+        # the initial state norm is about sqrt(C) (docs/papers.md §1)
+        nn.init.normal_(t.wte.weight, mean=0.0, std=1.0)
+    else:
+        # N(0, 0.02) for every matrix and no residual scaling: DeepLoop's baseline ("standard init,
+        # no residual scaling", docs/papers.md §2), the same at every R. Depth scaling then only
+        # multiplies by beta below, so p -> 0 meets p = 0. (GPT-2's own 1/sqrt(2N) is not used.)
+        for p in model.parameters():
+            if p.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
+                nn.init.normal_(p, mean=0.0, std=0.02)
+    if cfg.embd_std > 0:
+        # one init's embedding scale under the other's block matrices: it splits the two (§1)
+        for emb in (t.wte, t.wpe):
+            if isinstance(emb, nn.Embedding):
+                nn.init.normal_(emb.weight, mean=0.0, std=cfg.embd_std)
+    # docs/papers.md §2: beta is an init-only gain on W_v, the attention output projection and
+    # every MLP matrix (not on W_q, W_k or the embeddings)
+    if cfg.beta != 1.0:
+        for block in (*t.prelude, *t.h, *t.coda):
+            block.attn.c_attn.weight[2 * C:] *= cfg.beta   # the W_v rows of the q|k|v matrix
+            # the MLP's matrices: a Linear's weight, or every expert's stacked (§5; not the router)
+            ffn = [getattr(m, 'weight', m) for m in (block.mlp.c_fc, block.mlp.c_proj)]
+            for w in (block.attn.c_proj.weight, *ffn):
+                w *= cfg.beta
+    if cfg.injection in ('concat', 'iso') and cfg.adapter_init == 'identity':
+        # docs/papers.md §3 (iso-depth): W = [I 0], so at first W [x; e] = x passes the state through
+        # and the paper's W [e; s] = e reads the prelude output
+        t.adapter.weight.copy_(torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1))

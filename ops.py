@@ -54,16 +54,9 @@ def init_processes(device, collective_timeout):
     ddp = int(os.environ.get('RANK', -1)) != -1  # is this a torchrun run?
     rank, local_rank, world_size = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                     int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else \
-            'mps' if torch.backends.mps.is_available() else 'cpu'
-    device_type = 'cuda' if device.startswith('cuda') else device
-    if device_type == 'cuda' and not torch.cuda.is_available():
-        die(f"device={device!r} but torch.cuda.is_available() is False; use --device=cpu")
-    if device_type == 'mps' and not torch.backends.mps.is_available():
-        die("device='mps' but torch.backends.mps.is_available() is False; use --device=cpu")
+    device, device_type = hardware.pick_device(device)  # 'auto' resolved; one that is not here stops
     if ddp:
-        if device_type == 'cuda':
+        if device_type == 'cuda':  # one GPU per rank
             device = f'cuda:{local_rank}'
             torch.cuda.set_device(device)
         dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo',
@@ -282,7 +275,7 @@ class BadSteps:
         """Which exit's CE or which loop's state went non-finite on batch (X, Y), in a few words.
         exit_metrics runs the same loop as the loss: a NaN that starts at loop k shows from exit k on."""
         with self.ctx:
-            ce, norms = self.model.exit_metrics(X, Y)
+            ce, norms, _ = self.model.exit_metrics(X, Y)
         bad = lambda v: ', '.join(str(k) for k, x in enumerate(v.tolist(), 1) if not math.isfinite(x))
         parts = [f"CE at exit {bad(ce)}"] * bool(bad(ce))
         parts += [f"||h_k|| at loop {bad(norms)}"] * bool(bad(norms))

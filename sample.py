@@ -10,15 +10,16 @@ Sample from a trained looped GPT, as nanoGPT's sample.py does. Flags are --key=v
 import os
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 
 import torch
 
 import checkpoint
 import configurator
-from engine import generate
+from engine import conflicts, generate
 from errors import die
-from exits import EXIT_POLICIES, KV_POLICIES, score_threshold
+from exits import EXIT_POLICIES, KV_POLICIES
 from hardware import pick_device
 from prepare import checkpoint_meta, get_tokenizer
 
@@ -42,44 +43,22 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 defaults = {k: globals()[k] for k in config_keys}  # main() starts every call from these
 
 
-def check(explicit, R, cfg):
-    """Every constraint on the flags, each checked here once: a one-line error naming the flag."""
-    adaptive, k, shared, flag = exit_threshold != -1, draft_loops, kv_policy == 'shared', globals().get
-    rules = [(flag(key) >= v, f"--{key}={flag(key)}: must be >= {v}") for key, v in dict(
-        num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=0, kv_slots=0, draft_loops=0,
-        speculate=1).items()]
-    rules += [(flag(key) in allowed, f"--{key}={flag(key)!r}: choose one of {', '.join(allowed)}")
-              for key, allowed in (('exit_policy', EXIT_POLICIES), ('kv_policy', KV_POLICIES))]
-    rules += [
-        (not adaptive or exit_policy != 'gate' or cfg.exit_gate == 'learned', "--exit_policy=gate reads the "
-         "learned exit gate, and this model has none (exit_gate='none'): use maxprob, margin, entropy or kl"),
-        (not kv_slots or shared, f"--kv_slots={kv_slots} sets the slots of --kv_policy=shared: add it"),
-        (not shared or kv_slots, f"--kv_policy=shared needs --kv_slots=N, the slots per layer (1..{R})"),
-        (kv_slots <= R, f"--kv_slots={kv_slots}: a token runs only {R} loops, so at most {R} slots"),
-        (kv_policy not in ('copy', 'active') or adaptive or k,
-         f"--kv_policy={kv_policy} decides what exited tokens leave in the cache: add --exit_threshold"),
-        (k or 'speculate' not in explicit, f"--speculate={speculate} is the draft length: add --draft_loops"),
-        (k < R, f"--draft_loops={k}: drafts must use fewer loops than the {R} each token runs (1..{R - 1})"),
-        (not (k and adaptive), "--draft_loops gives fixed-depth tokens: drop --exit_threshold"),
-        (not (k and shared), "--draft_loops verifies with every loop's own slots: drop --kv_policy=shared"),
-        # tied routing (§5): loops 2..R reuse loop 1's experts, from the same pass and the same rows
-        (not (cfg.tied_routing and adaptive), "--exit_threshold drops exited rows between loops, and this "
-         "model's tied_routing=True needs loop 1's experts for every row: drop --exit_threshold"),
-        (not (cfg.tied_routing and k), "--draft_loops verifies loops k+1.. in another pass, and this "
-         "model's tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops")]
-    for ok, msg in rules:
-        if not ok:
-            die(msg)
-    try:
-        score_threshold(exit_policy, exit_threshold) if adaptive else None  # within the policy's range
-    except ValueError as e:
-        die(f"--{e}")
+def check():
+    """The flags' own ranges and choices, before the (slow) checkpoint load: one line naming the flag.
+    What the flags ask of each other and of the model is engine.conflicts'."""
+    for key, low in dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=0, kv_slots=0,
+                         draft_loops=0, speculate=1).items():
+        if globals()[key] < low:
+            die(f"--{key}={globals()[key]}: must be >= {low}")
+    for key, allowed in (('exit_policy', EXIT_POLICIES), ('kv_policy', KV_POLICIES)):
+        if globals()[key] not in allowed:
+            die(f"--{key}={globals()[key]!r}: choose one of {', '.join(allowed)}")
 
 
 def main(argv=None):
-    config, explicit = configurator.configure(defaults, sys.argv[1:] if argv is None else argv,
-                                               keys_at="sample.py's globals")
+    config, explicit = configurator.configure(defaults, sys.argv[1:] if argv is None else argv, __file__)
     globals().update(config)  # the flags, as nanoGPT's configurator sets them
+    check()
     try:  # the prompt before the (slow) checkpoint load: a typo in its path fails at once
         prompt = open(start[5:], encoding='utf-8').read() if start.startswith('FILE:') else start
     except (OSError, UnicodeDecodeError) as e:
@@ -99,27 +78,32 @@ def main(argv=None):
     except ValueError as e:
         die(f"--start: {e}")
     model = checkpoint.build_model(ckpt).eval().to(dev)  # the optimizer state is not needed to sample
-    R, adaptive, k = n_loop or model.config.n_loop, exit_threshold != -1, draft_loops
-    check(explicit, R, model.config)
+    R, adaptive = n_loop or model.config.n_loop, exit_threshold != -1
+    why = conflicts(model.config, R, exit_threshold if adaptive else None, exit_policy, kv_policy, kv_slots,
+                    draft_loops, speculate if 'speculate' in explicit else None)
+    if why:
+        die(why)
     mode = (f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" if adaptive else
-            f"fixed exit at loop {R}") + (f", self-speculative (drafts of {speculate} tokens from loop {k})"
-                                          if k else "")
+            f"fixed exit at loop {R}")
+    if draft_loops:
+        mode += f", self-speculative (drafts of {speculate} tokens from loop {draft_loops})"
     if kv_policy != 'recompute':
         mode += f", kv_policy={kv_policy}" + (f" ({kv_slots} slots)" if kv_slots else "")
     print(f"sampling {num_samples} x {max_new_tokens} tokens, {mode}, trained with "
           f"n_loop={model.config.n_loop}, {dev}")
-    used, stats, seconds = [], {}, 0.0
+    used, stats, seconds = [], Counter(), 0.0
     with torch.no_grad(), ctx:
         for _ in range(num_samples):
             t0 = time.perf_counter()
-            y, loops = generate(model, torch.tensor([ids], device=dev), max_new_tokens, temperature,
-                                top_k or None, R, exit_threshold if adaptive else None, exit_policy,
-                                kv_policy=kv_policy, kv_slots=kv_slots or None, draft_loops=k,
-                                speculate=speculate, stats=stats)
+            y, loops, counts = generate(model, torch.tensor([ids], device=dev), max_new_tokens, temperature,
+                                        top_k or None, R, exit_threshold if adaptive else None, exit_policy,
+                                        kv_policy=kv_policy, kv_slots=kv_slots or None,
+                                        draft_loops=draft_loops, speculate=speculate)
             text = decode(y[0].tolist())  # (waits for the device)
             seconds += time.perf_counter() - t0
             print(text + '\n---------------')
             used.append(loops.float().flatten())
+            stats.update(counts)
     print(summary(num_samples * max_new_tokens, torch.cat(used), seconds, R, adaptive, stats))
 
 
@@ -127,7 +111,7 @@ def summary(n, used, seconds, R, adaptive, stats):
     # every mode prints its speed: plain fixed-depth decoding is the baseline of the others
     depth = (f"mean loops used per token: {used.mean():.2f} of {R} (min {used.min():.0f}, "
              f"max {used.max():.0f}, {used.numel()} tokens); ") if adaptive and n else ""
-    ok, checked = stats.get('accepted', 0), stats.get('checked', 0)
+    ok, checked = stats['accepted'], stats['checked']
     drafts = f", {ok} of {checked} drafts accepted ({ok / checked:.0%})" if draft_loops and checked else ""
     return (f"{depth}{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
             + ("" if depth else f", {R} loops per token") + drafts)

@@ -36,8 +36,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 import ops
-from model import GPT, GPTConfig, estimate_mfu
-from prepare import open_data
+import prepare
+from accounting import estimate_mfu
+from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 # default config values: a small looped GPT on shakespeare_char, per-loop CE + RMSNorm readout
@@ -84,11 +85,11 @@ dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 whe
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337                      # weights, dropout, data order and sampled depths follow from it
 # -----------------------------------------------------------------------------
-# the training keys above and GPTConfig's: config files, then --key=value, over a resumed run's config
-config_keys = [k for k, v in globals().items()
-               if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
-defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}
-config, explicit, ckpt, notes = configurator.configure_run(defaults, sys.argv[1:])
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, str))]
+defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}  # + the model's keys
+config, explicit = configurator.configure(defaults, sys.argv[1:])  # config files, --key=value; --help
+config, ckpt, notes = checkpoint.resume(config, explicit)  # a resumed run: its saved config underneath
+configurator.check(config)  # every key's range, and the combinations model.py builds
 if config['print_config']:
     print(json.dumps(config))
     sys.exit(0)
@@ -97,7 +98,6 @@ model_args = {k: config[k] for k in configurator.model_keys()}  # the model keys
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 # -----------------------------------------------------------------------------
 # processes and devices
-
 # torchrun's environment -> DDP over NCCL (GPUs) or gloo (CPUs); this rank's device and threads
 ddp, rank, local_rank, world_size, device, device_type = ops.init_processes(device, collective_timeout)
 master_process = rank == 0  # this process logs and writes checkpoints
@@ -116,9 +116,8 @@ block_size = model_args['block_size']  # the context length T, as the model sees
 tokens_per_iter = micro_steps * world_size * batch_size * block_size
 dtype, dtype_note = ops.resolve_dtype(dtype, device_type)  # 'auto' -> what this chip runs fast
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-if device_type == 'cuda':
-    torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
-    torch.backends.cudnn.allow_tf32 = True        # allow tf32 on cudnn
+if device_type == 'cuda':  # allow tf32 on matmul and cudnn
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 # the forward pass runs under autocast in bf16/fp16; weights, optimizer and loss stay float32
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 has float32's range
@@ -138,16 +137,13 @@ if master_process:
 
 # -----------------------------------------------------------------------------
 # data
-
 data_dir = os.path.join('data', dataset)
-if dataset in ('shakespeare_char', 'shakespeare') and not os.path.exists(f'{data_dir}/meta.json'):
-    if master_process:  # the other ranks wait at the barrier (torchrun ends them if this one fails)
-        print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
-        import prepare  # downloads tinyshakespeare once; offline, it says what to run instead
-        prepare.prepare(dataset)
-    if ddp:
-        dist.barrier()
-meta = open_data(data_dir, block_size)  # checks the files, the token ids and the split sizes
+if master_process and dataset in prepare.TEXT_DATASETS and not os.path.exists(f'{data_dir}/meta.json'):
+    print(f"{data_dir} not found: preparing it (python prepare.py {dataset})")
+    prepare.prepare(dataset)  # downloads tinyshakespeare once; offline, it says what to run instead
+if ddp:
+    dist.barrier()  # the other ranks wait for it (torchrun ends them if it fails)
+meta = prepare.open_data(data_dir, block_size)  # checks the files, the token ids and the split sizes
 meta_id = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'itos')}  # what the tokens mean
 if ckpt is not None:
     checkpoint.check_tokens(ckpt, meta_id, ckpt_path, data_dir)  # a resume keeps its tokens
@@ -173,7 +169,6 @@ checkpoint.refuse_overwrite(ckpt_path, init_from, eval_only)  # a forgotten --in
 
 # -----------------------------------------------------------------------------
 # model, optimizer, and the state a resumed run continues from
-
 model = GPT(GPTConfig(**model_args))
 if ckpt is not None:
     checkpoint.load_weights(model, ckpt['model'], ckpt_path)
@@ -194,12 +189,10 @@ raw_model = model  # the plain GPT: its state_dict has no '_orig_mod.' / 'module
 if compile:
     if master_process:
         print("compiling the model... (takes a ~minute)")
-    if raw_model.config.loop_sampling != 'fixed':
-        # one graph per loop count drawn (the loop unrolls): at most max_loop of them, so let dynamo
-        # keep that many instead of falling back to eager after its default limit of 8
-        cap = raw_model.config.loop_cap + 1
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, cap)
-    # static shapes: a new loop count is a new graph, not a symbolic one (the python loop unrolls)
+    # static shapes: the python loop unrolls, so each loop count drawn is a graph of its own (at most
+    # max_loop of them: dynamo keeps that many instead of falling back to eager after its default 8)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, raw_model.config.loop_cap + 1)
     model = torch.compile(model, dynamic=False)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
@@ -227,9 +220,9 @@ def estimate_loss():
         for _ in range(eval_iters):
             X, Y = get_batch(split, gen)
             with ctx:
-                ce, norms = raw_model.exit_metrics(X, Y)
-                if raw_model.config.n_expert:  # the routing of the pass exit_metrics just ran
-                    moe += torch.stack(raw_model.router_losses()).float()
+                ce, norms, router = raw_model.exit_metrics(X, Y)
+                if router is not None:  # the experts' balance and z-loss in that pass
+                    moe += router.float()
             stats += torch.stack([ce.float(), norms.float()])
         stats, moe = stats / eval_iters, moe / eval_iters
         if ddp:  # every rank's batches count, not only rank 0's
@@ -264,14 +257,13 @@ def log_eval(it, losses, lr):
     print(line('train CE', losses['train_ce'], '.4f'))
     print(line('val CE', losses['val_ce'], '.4f'))
     print(line('||h_k||', losses['val_norm'], '.1f') + "   (mean per-token L2 norm, val, before readout)")
-    row = {'iter': it, 'train_ce': losses['train_ce'], 'val_ce': losses['val_ce'],
-           'norm': losses['val_norm'], 'train_norm': losses['train_norm'],
-           'train_loss': losses['train_ce'][-1], 'val_loss': losses['val_ce'][-1], 'lr': lr,
-           'tokens': it * tokens_per_iter, 'bad_steps': bad_steps.total,
-           'time': round(time.time() - t_start, 3)}
+    row = dict(iter=it, train_ce=losses['train_ce'], val_ce=losses['val_ce'], norm=losses['val_norm'],
+               train_norm=losses['train_norm'], train_loss=losses['train_ce'][-1],
+               val_loss=losses['val_ce'][-1], lr=lr, tokens=it * tokens_per_iter,
+               bad_steps=bad_steps.total, time=round(time.time() - t_start, 3))
     if raw_model.config.n_expert:
         row['moe_balance'], row['moe_z'] = losses['val_moe']
-        print(f"  MoE        balance {row['moe_balance']:.4f}, z-loss {row['moe_z']:.3f}   (val; mean over "
+        print(f"  MoE        balance {row['moe_balance']:.4f}, z-loss {row['moe_z']:.3f}   (val, mean over "
               f"layers and visits; balance 1 = uniform load)")
     if log_kappa:  # kappa_R of the loss on one fixed training batch, mean over the shared matrices
         X, Y = get_batch('train', torch.Generator().manual_seed(seed + 1))
@@ -348,8 +340,7 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         bad_steps.count(ok, iter_num, agreed.loss, grad_norm, X, Y)  # says why; stops if it repeats
 
         # timing and logging; the ETA leaves out the run's first step (warm-up, compilation)
-        t1 = time.time()
-        dt, t0 = t1 - t0, t1
+        dt, t0 = time.time() - t0, time.time()
         eta.step(iter_num, dt)
         if iter_num % log_interval == 0 and master_process:
             mfu = estimate_mfu(raw_model, micro_steps * batch_size, dt) if device_type == 'cuda' else None

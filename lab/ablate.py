@@ -63,7 +63,8 @@ import configurator
 from configurator import gpt_config, model_keys
 from errors import Parser, die, duration
 from hardware import auto_dtype
-from model import GPT, GPTConfig, flops_per_token
+from accounting import flops_per_token
+from model import GPT, GPTConfig
 from prepare import HF_DATASETS, TEXT_DATASETS, WORD_VOCAB
 from reports import fmt, read_json, read_metrics, read_status, write_report
 
@@ -632,7 +633,7 @@ def resolved_dtype(cfg):
 
 SHAKESPEARE_CHARS = 65  # tinyshakespeare's distinct characters: shakespeare_char's vocabulary (prepare.py)
 # the training FLOP/s of one laptop run on one CPU core, evaluations and start-up included: the median of the
-# 269 runs in assets/*.json, model.flops_per_token x tokens / train_seconds (quartiles 27 and 40, presets'
+# 269 runs in assets/*.json, flops_per_token x tokens / train_seconds (quartiles 27 and 40, presets'
 # medians 25-85; bf16 on AVX512-BF16 EPYC cores shared by 2 runs). Another CPU: --cpu_gflops
 CPU_GFLOPS = 34
 
@@ -657,7 +658,7 @@ def meta_model(cfg):
 
 
 def estimate(cfg):
-    """(tokens, training FLOPs) of a run: model.flops_per_token x tokens (eval passes not counted)."""
+    """(tokens, training FLOPs) of a run: accounting.flops_per_token x tokens (eval passes not counted)."""
     model = meta_model(cfg)
     tokens = cfg['max_iters'] * cfg['batch_size'] * cfg['gradient_accumulation_steps'] * cfg['block_size']
     return tokens, flops_per_token(model, cfg['block_size']) * tokens

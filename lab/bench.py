@@ -60,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,8 @@ from engine import KVCache, generate
 from exits import KV_POLICIES, exit_score
 import kernels
 from kernels import LinearCrossEntropy
-from model import GPT, GPTConfig, active_params, flops_per_token
+from accounting import active_params, flops_per_token
+from model import GPT, GPTConfig
 
 # row 17 on a GPU: config/looped_moe_gpt2s.py's dense shape (the row adds its experts)
 GPT2S_MOE = dict(n_embd=768, n_head=12, n_layer=8, n_loop=2, vocab_size=50304, pos='rope', mlp='swiglu')
@@ -307,7 +309,7 @@ def row_untied(run):
 
 def naive_per_loop_loss(model, X, Y):
     # the textbook per-loop loss: R full (B, T, V) logit tensors, all kept alive for the backward pass
-    states = model.states(X)
+    states = model.run(X).states
     V = model.config.vocab_size
     return sum(F.cross_entropy(model.readout(h, k).float().view(-1, V), Y.view(-1), ignore_index=-1)
                for k, h in enumerate(states, start=1)) / len(states)
@@ -405,7 +407,7 @@ def head_step(model, X, Y, device):
     adds), on the model's own final state h_R (the data changes the cost of the softmax on a CPU)."""
     R = model.config.n_loop
     with torch.no_grad(), autocast(device):
-        h = model.states(X)[-1].float()
+        h = model.run(X).states[-1].float()
     h.requires_grad_(True)
 
     def step():
@@ -451,7 +453,7 @@ def median_first_exit_score(model, T, device):
     """The median exit score of exit 1 over T random tokens. On an untrained model the scores mean nothing;
     as a threshold this makes about half the tokens leave after the first loop."""
     probe = random_tokens(model.config.vocab_size, T, seed=1, device=device)
-    h1 = model.states(probe, n_loop=1)[0]
+    h1 = model.run(probe, n_loop=1).states[0]
     return exit_score(model.readout(h1, 1), EXIT_POLICY).median().item()
 
 
@@ -469,7 +471,7 @@ def time_decoding(run, model, prompt, n_new, threshold):
     # the uncached run costs ~n_new full forwards: fewer repeats for it
     t.update(side_by_side({'uncached': gen(False)}, run.device, 0,
                           min(run.size['decode_repeats'], run.repeats)))
-    _, used = gen(True, threshold)()
+    _, used, _ = gen(True, threshold)()
     # the first new token comes off the full prompt pass, which runs all R loops: left out of the mean
     return t, used[:, 1:].float().mean().item()
 
@@ -808,14 +810,16 @@ def prompts(vocab_size, B, T, seed, device):
     return torch.randint(vocab_size, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def decoder(model, prompt, n_new, last=None, name=None, **kw):
+def decoder(model, prompt, n_new, last=None, name=None, stats=None, **kw):
     """A call that samples n_new tokens after prompt (seeded: the same tokens every call); the loops per
-    token it used go into last[name]."""
+    token it used go into last[name], its counts (engine.generate's) add up in the Counter stats."""
     def decode():
         torch.manual_seed(0)
-        _, used = generate(model, prompt, n_new, temperature=1.0, **kw)
+        _, used, counts = generate(model, prompt, n_new, temperature=1.0, **kw)
         if last is not None:
             last[name] = used
+        if stats is not None:
+            stats.update(counts)
     return decode
 
 
@@ -922,9 +926,8 @@ def row_past_block(run):
                       'past_block_all': decoder(model, prompt, n_new)}, run.device, 1, min(3, run.repeats))
     inside_s = (t['past_block_inside'] - t['past_block_prefill']) / (inside - 1)
     past_s = (t['past_block_all'] - t['past_block_inside']) / (n_new - inside)
-    stats = {}
     with torch.no_grad():
-        generate(model, prompt, n_new, temperature=1.0, stats=stats)
+        stats = generate(model, prompt, n_new, temperature=1.0)[2]
     ratio = past_s / inside_s
     return {'past_block': dict(ratio=ratio, target='<= 1.5', met=ratio <= 1.5, inside_ms=inside_s * 1e3,
                                past_ms=past_s * 1e3, new_tokens=n_new, inside_tokens=inside,
@@ -961,7 +964,7 @@ def row_speculative(run):
         prompt = prompts(spec['vocab_size'], 1, spec['prompt'], seed=0, device=run.device)
         tag = f'speculative_d{C}_'
         fns = {tag + 'prefill': decoder(model, prompt, 1), tag + 'fixed': decoder(model, prompt, n_new)}
-        stats = {k: {} for k in range(1, R)}
+        stats = {k: Counter() for k in range(1, R)}
         for k in range(1, R):
             fns[tag + f'k{k}'] = decoder(model, prompt, n_new, draft_loops=k, speculate=spec['gamma'],
                                          stats=stats[k])
@@ -1001,7 +1004,7 @@ def with_moe_kernel(fn, kernel):
 
 def grouped_mm_used(model, dtype, device):
     """Whether kernels.moe runs model's experts as one F.grouped_mm in dtype (else its loop of matmuls)."""
-    layer, dt = model.moe_layers()[0], getattr(torch, dtype)
+    layer, dt = model.transformer.h[0].mlp, getattr(torch, dtype)
     xs = torch.empty(0, model.config.n_embd, dtype=dt, device=device)
     return kernels.grouped_mm_runs(xs, layer.c_fc.detach().to(dt), layer.c_proj.detach().to(dt))
 
@@ -1038,7 +1041,7 @@ def row_moe(run):
     best = ceilings(run)
     peak = peak_flops(torch.cuda.get_device_name(run.device)) if run.device.type == 'cuda' else None
     out = dict(target='step <= 1.5x, memory <= 1.3x', steps_per_timing=n, dtypes=list(run.dtypes),
-               config=dict(spec, **EXPERTS), **EXPERTS, expert_hidden=moe.moe_layers()[0].c_proj.size(1),
+               config=dict(spec, **EXPERTS), **EXPERTS, expert_hidden=moe.transformer.h[0].mlp.c_proj.size(1),
                params_dense=dense.get_num_params(False), params_moe=moe.get_num_params(False),
                active_params_moe=active_params(moe), flops_per_token_dense=flops['dense'],
                flops_per_token_moe=flops['moe'], peak_flops=peak)

@@ -39,7 +39,7 @@ import checkpoint
 from ablate import code_version
 from engine import KVCache, decode_step
 from errors import Parser, die
-from exits import EXIT_POLICIES, KV_POLICIES, ExitScorer, adaptive_step, score_threshold
+from exits import EXIT_POLICIES, KV_POLICIES, adaptive_step, score_at_exit, score_threshold
 from eval_depth import adaptive_curves, exit_stats, json_safe, quantile_thresholds, val_windows
 from prepare import load_meta
 from reports import plt_or_none, save
@@ -96,12 +96,13 @@ def token_exits(model, X, Y, exit_policy):
     ce, scores = [], []
     for s in range(0, X.size(1), bs):
         idx, tgt = X[:, s:s + bs], Y[:, s:s + bs]
-        scorer, c, sc = ExitScorer(model, exit_policy), [], []
-        for k, h in enumerate(model.states(idx), start=1):
-            z = model.head_input(h, k)
+        prev, c, sc = None, [], []
+        for k, h in enumerate(model.run(idx).states, start=1):
+            z = model.coda_readout(h, k)
             logits = model.lm_head(z).float()  # (B, t, V)
             c.append(F.cross_entropy(logits.transpose(1, 2), tgt, reduction='none').reshape(-1))
-            sc.append(scorer(z, logits).reshape(-1))
+            score, prev = score_at_exit(model, exit_policy, z, logits, prev)
+            sc.append(score.reshape(-1))
         ce.append(torch.stack(c, 1))
         scores.append(torch.stack(sc, 1))
     return torch.cat(ce).double().cpu(), torch.cat(scores).double().cpu()

@@ -47,7 +47,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
 from diagnostics import clamped_states, radial_gradient, visit_alignment
-from exits import EXIT_POLICIES, ExitScorer, exit_score
+from exits import EXIT_POLICIES, exit_score, score_at_exit
 from errors import Parser, die
 from prepare import load_meta, missing_file
 
@@ -71,20 +71,21 @@ def policies(model):
 @torch.no_grad()
 def exit_stats(model, X, Y, n_loop, batch_size, clamp='none', bar=None):
     """Run every window through n_loop loops. Returns ce (N, n_loop) per-sequence CE at every exit,
-    scores {policy: (N, n_loop)} per-sequence mean exit score (exits.ExitScorer; 'kl' is -inf at exit 1),
+    scores {policy: (N, n_loop)} per-sequence mean exit score (exits.score_at_exit; 'kl' is -inf at exit 1),
     norms (n_loop,) mean per-token ||h_k||. bar: a progress bar, advanced once per batch."""
     ce, norms, scores = [], [], {p: [] for p in policies(model)}
     for i in range(0, X.size(0), batch_size):
         idx, tgt = X[i:i + batch_size], Y[i:i + batch_size]
         states = clamped_states(model, idx, n_loop, clamp)
         c, s = [], {p: [] for p in scores}
-        scorers = {p: ExitScorer(model, p) for p in scores}
+        prev = dict.fromkeys(scores)  # what each policy's next score needs (exits.score_at_exit)
         for k, h in enumerate(states, start=1):
-            z = model.head_input(h, k)
+            z = model.coda_readout(h, k)
             logits = model.lm_head(z)  # (B, T, V)
             c.append(seq_ce(logits, tgt))
-            for p, score in scorers.items():
-                s[p].append(score(z, logits).mean(1))
+            for p in scores:
+                score, prev[p] = score_at_exit(model, p, z, logits, prev[p])
+                s[p].append(score.mean(1))
         ce.append(torch.stack(c, 1))
         for p in scores:
             scores[p].append(torch.stack(s[p], 1))
@@ -158,9 +159,9 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
     ce_sum, loops_sum = 0.0, 0
     for i in range(0, X.size(0), batch_size):
         tgt = Y[i:i + batch_size]
-        h = e = model.prelude(X[i:i + batch_size])
+        h = e = model.prelude(model.embed(X[i:i + batch_size]))
         for k in range(1, R + 1):
-            h = model.loops(h, e, [k])[0]
+            h = model.loops(h, e, [k]).states[0]
             if threshold is None and k < R:
                 continue
             logits = model.readout(h, k)

@@ -89,9 +89,9 @@ class NanoLoop(LM):
             T = max(map(len, rows))
             x = torch.tensor([r + [0] * (T - len(r)) for r in rows], device=self._device)  # (B, T)
             with torch.no_grad(), self.ctx:
-                states = self.model.states(x, R)
+                states = self.model.run(x, R).states
                 for k in self.depths:
-                    z = self.model.head_input(states[k - 1], k)  # (B, T, C): exit k's readout input
+                    z = self.model.coda_readout(states[k - 1], k)  # (B, T, C): exit k's readout input
                     for b, ((ctx, cont), r) in enumerate(zip(batch, rows)):
                         n = min(len(cont), len(r))  # a continuation longer than the block loses its start
                         logits = self.model.lm_head(z[b, len(r) - n:len(r)]).float()  # (n, V)
@@ -136,7 +136,7 @@ class NanoLoop(LM):
             until = [until] if isinstance(until, str) else until
             idx = torch.tensor([self.tok(context)[-bs:] or [self.prefix]], device=self._device)  # (1, T)
             with self.ctx:
-                y, _ = generate(self.model, idx, int(kw.get('max_gen_toks', 256)), temperature=0,
+                y, _, _ = generate(self.model, idx, int(kw.get('max_gen_toks', 256)), temperature=0,
                                 n_loop=self.n_loop)
             text = self.decode(y[0, idx.size(1):].tolist())
             for u in until:

@@ -7,7 +7,7 @@ recurrence of a looped block is worth, in unique parameters, fitted to a table o
     python lab/isodepth.py --fit runs.csv --starts=100 --resamples=50   # a quicker look
 
 RUNS.csv holds one run a row, with the columns
-    n_once   parameters run once: prelude + coda blocks (model.param_counts; no embedding, no head)
+    n_once   parameters run once: prelude + coda blocks (accounting.param_counts; no embedding, no head)
     n_rec    parameters of the looped block, the injection adapter included
     r        the recurrence count the run trained with
     tokens   training tokens D
@@ -36,7 +36,7 @@ The sweep trains such a table here, through lab/ablate.py's runners (local, or -
 
 Iso-depth: prelude + (looped / r) blocks x r + coda, r in {1, 2, 4, 8}, the widths of each FLOP budget, one
 seed per cell and a second on four baseline cells (the run-to-run noise), terminal supervision; a run's
-steps are its budget over model.flops_per_token. A finished run is skipped on the next call. Each case is
+steps are its budget over accounting.flops_per_token. A finished run is skipped on the next call. Each case is
 fitted to its runs and the shared r = 1 runs: <report_dir>/isodepth.md, isodepth.json (the fits, the runs),
 isodepth_<case>.csv (the --fit table of each case) and the plots. --widths, --budgets and --rs replace the
 preset's grid; any other --key=value is a config override for every run.
@@ -49,14 +49,13 @@ import shlex
 import sys
 
 import numpy as np
-from scipy.optimize import minimize
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import configurator
 from ablate import (arm, code_version, dry_run, estimate, meta_model, repo_path, run_args, run_sweep,
                     runner_flags, slurm_options, train_defaults)
 from errors import Parser, die
-from model import param_counts
+from accounting import param_counts
 from reports import finish_plot, fmt, plt_or_none, read_json, read_metrics, read_status, save
 
 COLUMNS = ('n_once', 'n_rec', 'r', 'tokens', 'loss')
@@ -170,8 +169,18 @@ def huber(res):
     return loss.sum(), np.where(small, res, HUBER_DELTA * np.sign(res))
 
 
+def scipy_minimize():
+    # scipy is a lab extra (requirements-dev.txt), imported here so that --help and --dry_run work without it
+    try:
+        from scipy.optimize import minimize
+    except ImportError:
+        die("lab/isodepth.py fits the law with scipy, which is not installed: pip install scipy")
+    return minimize
+
+
 def fit_once(x, logL, starts, bounds):
     """The best of L-BFGS-B from each start: (theta, objective)."""
+    minimize = scipy_minimize()
     def objective(theta):
         pred, grad = predict(theta, *x)
         loss, dres = huber(pred - logL)
@@ -329,7 +338,7 @@ def check_grid(sw, args):
 
 def plan_sweep(sw, args, cases=CASES):
     """Every run of these cases (r = 1 once, shared), its config resolved as train.py resolves it and its
-    steps set by its budget: steps = budget / (model.flops_per_token x tokens per step), rounded down."""
+    steps set by its budget: steps = budget / (accounting.flops_per_token x tokens per step), rounded down."""
     base = args.base or [repo_path(sw['base'])]
     pairs = grid(sw, args)
     noisy = noise_cells(pairs, args.rs)
@@ -657,6 +666,8 @@ def main(argv=None):
             die(f"--{flag}={getattr(args, flag)}: must be >= 1")
     if args.boot_starts < 0:
         die(f"--boot_starts={args.boot_starts}: must be >= 0")
+    if args.fit or not args.dry_run:
+        scipy_minimize()  # the fit needs it: stop now, not after the sweep's training
     if not args.fit:
         return sweep(sweep_args(args, overrides, argv))
     if overrides:

@@ -46,12 +46,12 @@ def boundary_ce(model, X, Y, K):
     K layers of a unique one (n_loop = 1), through the same readout norm and head."""
     if model.config.n_loop > 1:
         return model.exit_metrics(X, Y)[0]
-    x, ces, W = model.prelude(X), [], model.lm_head.weight
+    x, ces, W = model.prelude(model.embed(X)), [], model.lm_head.weight
     rope = model.rope(0, X.size(1))
     for j, block in enumerate(model.transformer.h, start=1):
-        x = block(x, rope)
+        x, _ = block(x, rope)
         if j % K == 0:
-            ces.append(kernels.cross_entropy_chunked(model.head_input(x, 1, R=1), W, Y))
+            ces.append(kernels.cross_entropy_chunked(model.coda_readout(x, 1, R=1), W, Y))
     return torch.stack(ces)
 
 

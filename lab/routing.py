@@ -3,8 +3,8 @@ Routing divergence of a Looped-MoE checkpoint: does a physical layer send a toke
 each loop, and by more than chance? (docs/papers.md §5: the paper's overlap histograms, and the chance
 level that decides what they mean.)
 
-    python lab/routing.py out-moe                      # a folder holding ckpt.pt (or the file itself)
-    python lab/routing.py out-moe --batches=64 --json=routing.json
+    python lab/routing.py out-looped-moe                      # a folder holding ckpt.pt (or the file itself)
+    python lab/routing.py out-looped-moe --batches=64 --json=routing.json
 
 For every physical layer h[j] and pair of loops (a, b), over the tokens of val batches, with S_a the top-k
 set a token gets on loop a:
@@ -17,8 +17,9 @@ set a token gets on loop a:
             expert shared): experts specialised by loop
 and per layer: distinct experts per token over its R loops beside chance (E (1 - (1 - k/E)^R) uniform,
 sum_e 1 - prod_r (1 - p_r(e)) from the loops' marginals), and the load max/mean of every visit
-(1 = balanced, E/k = every token on the same k experts). The report goes to stdout, the tables to JSON
-(default <out_dir>/routing.json).
+(1 = balanced, E/k = every token on the same k experts). It ends with one line: the loops route alike,
+apart, or as chance would (mean kappa beyond +-0.1), and a warning per layer whose load has collapsed.
+The report goes to stdout, the tables to JSON (default <out_dir>/routing.json).
 """
 import itertools
 import math
@@ -157,11 +158,11 @@ def collect(model, X, batch_size):
     """{(j, r): idx (N, k)} of every looped layer h[j] on loop r, N the tokens of X (n, T) row-major."""
     model.eval()
     routes = {}
+    K = model.config.n_layer
     for i in range(0, X.size(0), batch_size):
-        model.states(X[i:i + batch_size])  # a new pass clears each MoE's visits, then records one per loop
-        for j, block in enumerate(model.transformer.h):
-            for r, route in enumerate(block.mlp.visits, start=1):
-                routes.setdefault((j, r), []).append(route.idx.cpu())
+        out = model.run(X[i:i + batch_size])  # its routes: loop 1's K layers, then loop 2's, ...
+        for v, route in enumerate(out.routes):
+            routes.setdefault((v % K, v // K + 1), []).append(route.idx.cpu())
     return {key: torch.cat(v) for key, v in routes.items()}
 
 
@@ -190,6 +191,34 @@ def print_report(res, title):
               f"{L['distinct_chance']:.2f} from the loops' marginals, {L['distinct_uniform']:.2f} uniform)")
         print(f"  load max/mean per visit (1 = balanced, {E / k:.2f} = collapse onto {k} experts): "
               + ', '.join(f"loop {r} {x:.2f}" for r, x in zip(L['loops'], L['load'])))
+
+
+AGREE = 0.1      # mean kappa beyond +-this: the loops route alike (> 0) or apart (< 0), else as chance
+COLLAPSED = 0.9  # a visit's load max/mean at this share of E/k (every token on the same k experts) or more
+
+
+def summary(res):
+    """The report's last lines: whether the loops route alike, apart, or as chance would (mean kappa
+    over every (layer, loop pair)), and a warning for each layer whose load has collapsed, since
+    kappa then compares routings that have almost no choice left."""
+    E, k = res['n_expert'], res['top_k']
+    kappas = [p['kappa'] for L in res['layers'] for p in L['pairs'] if p['kappa'] is not None]
+    if not kappas:
+        lines = ["summary: kappa is undefined in every pair (chance alone gives identical sets)"]
+    else:
+        m = sum(kappas) / len(kappas)
+        word = ('the loops route alike: more agreement than chance' if m > AGREE else
+                'the loops route apart: less agreement than chance' if m < -AGREE else
+                'the loops route as chance would')
+        lines = [f"summary: {word} (mean kappa {m:+.3f} over {len(kappas)} layer/loop pairs; "
+                 f"|kappa| <= {AGREE} counts as chance)"]
+    for L in res['layers']:
+        worst = max(L['load'])
+        if worst >= COLLAPSED * E / k:
+            lines.append(f"warning: layer h[{L['layer']}] has collapsed onto about {k} experts (load "
+                         f"max/mean {worst:.2f}, {E / k:.2f} = every token on the same {k}): its kappas mean "
+                         f"little")
+    return lines
 
 
 def main(argv=None):
@@ -221,6 +250,8 @@ def main(argv=None):
     print_report(res, f"routing: {ckpt_path} (iter {ckpt.get('iter_num')}; K={cfg.n_layer} R={cfg.n_loop}, "
                       f"top-{cfg.top_k} of {E} experts{', tied routing' if cfg.tied_routing else ''}; "
                       f"{X.size(0)} windows x {X.size(1)} tokens on {device})")
+    res['summary'] = summary(res)
+    print('\n'.join(res['summary']))
     out = args.json or os.path.join(os.path.dirname(ckpt_path) or '.', 'routing.json')
     write_json(out, res)
     print(f"wrote {out} ({res['seconds']:.1f}s)")

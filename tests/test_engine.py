@@ -2,6 +2,7 @@
 block size, self-speculative decoding."""
 import copy
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 import engine
 import exits
 from engine import KVCache, decode_step, generate, speculate_round
-from exits import adaptive_step, exit_rows
+from exits import adaptive_forward, adaptive_step
 from model import GPT, GPTConfig
 from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
 
@@ -31,8 +32,8 @@ def prompts(B=3, n=4, seed=1):
 
 def test_recompute_with_a_threshold_that_never_exits_is_fixed_depth_decoding():
     m, x = tiny(), prompts()
-    fixed, _ = generate(m, x, 10, temperature=0)
-    never, used = generate(m, x, 10, temperature=0, exit_threshold=1.0)  # maxprob never reaches 1
+    fixed, _, _ = generate(m, x, 10, temperature=0)
+    never, used, _ = generate(m, x, 10, temperature=0, exit_threshold=1.0)  # maxprob never reaches 1
     assert torch.equal(never, fixed) and used.eq(4).all()
 
 
@@ -41,8 +42,8 @@ def test_recompute_with_a_threshold_that_never_exits_is_fixed_depth_decoding():
 def test_every_policy_that_runs_all_loops_is_fixed_depth_decoding(policy, kv_slots):
     # a threshold only the last exit reaches: every token runs R loops, nothing is skipped
     m, x = tiny(), prompts()
-    fixed, _ = generate(m, x, 10, temperature=0)
-    out, used = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
+    fixed, _, _ = generate(m, x, 10, temperature=0)
+    out, used, _ = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
                          kv_policy=policy, kv_slots=kv_slots)
     assert torch.equal(out, fixed) and used.eq(4).all()
 
@@ -50,8 +51,8 @@ def test_every_policy_that_runs_all_loops_is_fixed_depth_decoding(policy, kv_slo
 def test_shared_slots_fewer_than_loops_decode_as_their_own_fixed_depth():
     # with kv_slots < R the cache itself is an approximation; exits that never fire change nothing more
     m, x = tiny(), prompts()
-    fixed, _ = generate(m, x, 10, temperature=0, kv_policy='shared', kv_slots=2)
-    out, _ = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
+    fixed, _, _ = generate(m, x, 10, temperature=0, kv_policy='shared', kv_slots=2)
+    out, _, _ = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
                       kv_policy='shared', kv_slots=2)
     assert torch.equal(out, fixed)
 
@@ -65,18 +66,12 @@ def test_shared_cache_memory_is_independent_of_R():
 
 
 def exit_at(loops):
-    """A stand-in for exits.ExitScorer whose rows exit at the loops given, one per row."""
-    class Scorer:
-        def __init__(self, model, policy):
-            self.left, self.k = torch.tensor(loops), 0
-
-        def __call__(self, z, logits):
-            self.k += 1
-            return (self.left <= self.k).float()  # >= the threshold 0.5 from loop loops[b] on
-
-        def keep(self, rows):
-            self.left = self.left[rows]
-    return Scorer
+    """A stand-in for exits.score_at_exit whose rows exit at the loops given, one per row: what it passes
+    on is each row's (exit loop, exits seen so far)."""
+    def score(model, policy, z, logits, prev=None):
+        prev = (torch.tensor([[k, 0] for k in loops]) if prev is None else prev) + torch.tensor([0, 1])
+        return (prev[:, 0] <= prev[:, 1]).float(), prev  # >= the threshold 0.5 from loop loops[b] on
+    return score
 
 
 def visits(m, cache, tok, pos, R):
@@ -87,7 +82,7 @@ def visits(m, cache, tok, pos, R):
     hooks = [block.register_forward_pre_hook(lambda mod, args, j=j: inputs.__setitem__(
         (len(inputs) // K + 1, j), args[0])) for j, block in enumerate(m.transformer.h)]
     hooks.append(m.transformer.h[-1].register_forward_hook(
-        lambda mod, args, out: states.__setitem__(len(states) + 1, out)))
+        lambda mod, args, out: states.__setitem__(len(states) + 1, out[0])))
     decode_step(m, tok, copy.deepcopy(cache), pos, R)
     for hook in hooks:
         hook.remove()
@@ -102,7 +97,7 @@ def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_say
                                                                                  monkeypatch):
     # rows 0 and 1 exit at loops 2 and 3 of R = 4; position 5 of every slot is pinned against what each visit
     # computes (the loops a row ran are those of a full-depth step up to its exit, even under shared slots).
-    # A layernorm between loops, or the injection, makes loop_input(h, e) other than h: recompute must
+    # A layernorm between loops, or the injection, makes carry(h, e) other than h: recompute must
     # start from what loop k+1 would read
     R, pos, K = 4, 5, 2
     m = tiny(**kw)
@@ -112,10 +107,10 @@ def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_say
     seq = prompts(B=2, n=pos + 1, seed=4)
     cache = KVCache(m, 2, R, 'cpu', torch.float32, policy, kv_slots)
     decode_step(m, seq[:, :pos], cache, 0, R)
-    monkeypatch.setattr(exits, 'ExitScorer', exit_at([2, 3]))
+    monkeypatch.setattr(exits, 'score_at_exit', exit_at([2, 3]))
     with torch.no_grad():
         inputs, states = visits(m, cache, seq[:, pos:], pos, R)  # loop 1 reads e
-        _, used = exit_rows(m, seq[:, pos:], cache, pos, R, 0.5, 'maxprob')
+        _, used = adaptive_forward(m, seq[:, pos:], cache, pos, R, 0.5, 'maxprob')
         rope = m.rope(pos, 1)
         kv = lambda x, j, b, block=None: [t[b, :, 0] for t in
                                           (block or m.transformer.h[j]).keys_values(x, rope)]
@@ -127,7 +122,7 @@ def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_say
                     if k <= exit_k:
                         want[k, j] = kv(inputs[k, j], j, b)
                     elif policy == 'recompute':
-                        want[k, j] = kv(m.loop_input(states[exit_k], inputs[1, 0]), j, b)
+                        want[k, j] = kv(m.carry(states[exit_k], inputs[1, 0]), j, b)
                     elif policy == 'copy':
                         want[k, j] = kv(inputs[exit_k, j], j, b)
                     else:
@@ -156,13 +151,13 @@ def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_say
 def test_batched_exits_under_each_policy_equal_decoding_each_row_alone(policy):
     m, x = tiny(readout='raw'), prompts(B=4, seed=3)
     with torch.no_grad():
-        h1 = m.states(x, n_loop=1)[0]
+        h1 = m.run(x, n_loop=1).states[0]
         t = m.readout(h1, 1).softmax(-1).amax(-1).median().item()  # about half the tokens exit at loop 1
     kw = dict(temperature=0, exit_threshold=t, kv_policy=policy, kv_slots=2)
-    both, used = generate(m, x, 8, **kw)
+    both, used, _ = generate(m, x, 8, **kw)
     assert len(set(used[:, 1:].flatten().tolist())) > 1
     for b in range(4):
-        alone, alone_used = generate(m, x[b:b + 1], 8, **kw)
+        alone, alone_used, _ = generate(m, x[b:b + 1], 8, **kw)
         assert torch.equal(alone[0], both[b]) and torch.equal(alone_used[0], used[b]), b
 
 
@@ -205,20 +200,19 @@ def cropped_by_hand(m, x, n_new, n_loop=None):
 
 
 def logits_of_each_step(monkeypatch, *args, **kw):
-    """generate(*args, **kw) and the logits (B, V) each new token was picked from."""
+    """generate(*args, **kw), the logits (B, V) each new token was picked from, and generate's counts."""
     seen, pick = [], engine.pick
     monkeypatch.setattr(engine, 'pick', lambda logits, *a: seen.append(logits.clone()) or pick(logits, *a))
-    out, _ = generate(*args, **kw)
+    out, _, stats = generate(*args, **kw)
     monkeypatch.undo()
-    return out, seen
+    return out, seen, stats
 
 
 @pytest.mark.parametrize('kw', [dict(), dict(pos='rope', n_prelude=1, n_coda=1, injection='add')])
 def test_cached_decoding_past_the_block_size_equals_recompute_on_the_same_window(kw, monkeypatch):
     # the logits, not only the tokens: an untrained model repeats one token, which a stale cache gets right
     m, x = tiny(**kw), prompts(B=2)
-    stats = {}
-    out, cached = logits_of_each_step(monkeypatch, m, x, 60, temperature=0, stats=stats)
+    out, cached, stats = logits_of_each_step(monkeypatch, m, x, 60, temperature=0)
     ref, starts = cropped_by_hand(m, x, 60)
     assert torch.equal(out, ref)
     with torch.no_grad():
@@ -227,7 +221,7 @@ def test_cached_decoding_past_the_block_size_equals_recompute_on_the_same_window
             assert torch.allclose(cached[i], want, atol=1e-5), (i, start)
     # inside the first block the window is everything: plain uncached decoding, no crop
     assert starts[T - 4] == 0 and starts[T - 4 + 1] == T // 2 + 1
-    _, uncached = logits_of_each_step(monkeypatch, m, x, 60, temperature=0, use_cache=False)
+    _, uncached, _ = logits_of_each_step(monkeypatch, m, x, 60, temperature=0, use_cache=False)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cached, uncached))
     # 4 + 60 tokens: the first slide when 17 are there, then every T/2 + 1 = 9 tokens: ~2N/T refills
     assert stats['refills'] == len(set(starts)) - 1 == 6
@@ -236,8 +230,7 @@ def test_cached_decoding_past_the_block_size_equals_recompute_on_the_same_window
 def test_refills_come_every_half_block():
     m, x = tiny(n_loop=1), prompts(B=1, n=T)  # a full first window: the first new token slides it
     for n in (40, 80, 160):
-        stats = {}
-        generate(m, x, n, temperature=0, stats=stats)
+        stats = generate(m, x, n, temperature=0)[2]
         # a window refilled with T/2 tokens slides again when it would hold T + 1: every T/2 + 1 tokens
         assert stats['refills'] == math.ceil((n - 1) / (T // 2 + 1)), n
         assert 0.8 * 2 * n / T <= stats['refills'] <= 2 * n / T
@@ -252,12 +245,11 @@ def test_greedy_self_speculative_decoding_is_fixed_R_greedy_for_every_k_and_gamm
     if 'injection' in kw:
         with torch.no_grad():  # an adapter that mixes e in: other tokens at other depths
             m.transformer.adapter.weight.add_(0.5 * torch.randn_like(m.transformer.adapter.weight))
-    fixed, _ = generate(m, x, 30, temperature=0)  # 4 + 30 tokens: past the block size too
+    fixed, _, _ = generate(m, x, 30, temperature=0)  # 4 + 30 tokens: past the block size too
     rates = []
     for k in range(1, 4):
         for gamma in range(1, 5):
-            stats = {}
-            out, used = generate(m, x, 30, temperature=0, draft_loops=k, speculate=gamma, stats=stats)
+            out, used, stats = generate(m, x, 30, temperature=0, draft_loops=k, speculate=gamma)
             assert torch.equal(out, fixed), (k, gamma)
             assert used.shape == (2, 30) and used.eq(4).all()
             assert 0 <= stats['accepted'] <= stats['checked'] <= stats['drafted']
@@ -269,15 +261,16 @@ def test_rejected_drafts_leave_nothing_stale_in_the_cache():
     # after a round, every kept position's slots hold what fixed-R decoding writes there
     m, x = tiny(n_coda=1), prompts(B=1, seed=2)
     fixed_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
-    out, _ = generate(m, x, 12, temperature=0, draft_loops=1, speculate=4)
+    out, _, _ = generate(m, x, 12, temperature=0, draft_loops=1, speculate=4)
     decode_step(m, out[:, :-1], fixed_cache, 0, 4)
     spec_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
     decode_step(m, x, spec_cache, 0, 4)
-    pos, stats = 4, dict(checked=0, accepted=0, drafted=0)
+    pos, stats = 4, Counter()
     seq = out[:, :5]
     while seq.size(1) < out.size(1):
         gamma = min(4, out.size(1) - seq.size(1))
-        new = speculate_round(m, seq, spec_cache, pos, 4, 1, gamma, 0, None, stats)
+        new, counts = speculate_round(m, seq, spec_cache, pos, 4, 1, gamma, 0, None)
+        stats.update(counts)
         seq = torch.cat((seq, new), dim=1)
         pos += new.size(1)
     assert torch.equal(seq, out) and stats['accepted'] < stats['checked']
@@ -335,17 +328,19 @@ def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch, temperat
     m, x = sharp(), torch.tensor([[0, 1, 2, 3]])
     target, draft = exact_pairs(m, x, 3, temperature, top_k), exact_pairs(m, x, k, temperature, top_k)
     N = 4000 if batch else 1500  # batched rows are cheap: more of them resolve a smaller error
-    stats = {}
+    stats = Counter()
     if batch:  # rows in one batch (a round keeps tokens up to the first row's rejection)
         torch.manual_seed(0)
-        out, _ = generate(m, x.expand(N, -1), 3, temperature=temperature, top_k=top_k, draft_loops=k,
-                          speculate=gamma, stats=stats)
+        out, _, stats = generate(m, x.expand(N, -1), 3, temperature=temperature, top_k=top_k, draft_loops=k,
+                                 speculate=gamma)
     else:      # one sequence per seed: later drafts are accepted too
         runs = []
         for seed in range(N):
             torch.manual_seed(seed)
-            runs.append(generate(m, x, 3, temperature=temperature, top_k=top_k, draft_loops=k,
-                                 speculate=gamma, stats=stats)[0])
+            out, _, counts = generate(m, x, 3, temperature=temperature, top_k=top_k, draft_loops=k,
+                                      speculate=gamma)
+            runs.append(out)
+            stats.update(counts)
         out = torch.cat(runs)
     counts = torch.zeros(5, 5)
     counts.index_put_((out[:, 5], out[:, 6]), torch.ones(N), accumulate=True)
@@ -418,9 +413,8 @@ def test_verification_runs_the_drafted_positions_in_one_pass_with_fixed_R_logits
     block = m.transformer.h[0].attn
     seen = []
     monkeypatch.setattr(block, 'forward', lambda x, *a, f=block.forward: seen.append(x.size(1)) or f(x, *a))
-    stats = dict(checked=0, accepted=0, drafted=0)
     x_last = torch.cat((x, x[:, -1:]), 1)  # a last token at pos 5 that has not run yet
-    speculate_round(m, x_last, cache, 5, 4, k, 4, 0, None, stats)
+    speculate_round(m, x_last, cache, 5, 4, k, 4, 0, None)
     # the first layer's visits: 4 drafts one by one (k loops each), then loops k+1..R once over all 4
     assert [n for n, _ in verified] == [4] and seen == [1] * 4 * k + [4] * (4 - k)
     # the drafts are exit k's greedy picks: rebuild them with the full forward, then exit R's logits
@@ -428,7 +422,56 @@ def test_verification_runs_the_drafted_positions_in_one_pass_with_fixed_R_logits
     with torch.no_grad():
         for i in range(3):
             seq = torch.cat([x_last] + drafted[1:], 1)
-            drafted.append(m.readout(m.states(seq, n_loop=k)[-1], k)[:, -1:].argmax(-1))
+            drafted.append(m.readout(m.run(seq, n_loop=k).states[-1], k)[:, -1:].argmax(-1))
         seq = torch.cat([x_last] + drafted[1:], 1)  # (2, 9): the prompt, its last token, 3 drafts
-        full = m.readout(m.states(seq)[-1], 4)[:, 5:9]
+        full = m.readout(m.run(seq).states[-1], 4)[:, 5:9]
     assert torch.allclose(verified[0][1], full, atol=1e-5)
+
+
+# ---------------------------------------------------------------- exit scores, pinned on fixed numbers
+
+class FixedGate:
+    """A stand-in model whose learned gate says lambda = lam[k] at exit k (z is the exit's index)."""
+    def __init__(self, lam):
+        self.lam = torch.tensor(lam)
+
+    def gate(self, z):
+        return self.lam[z]
+
+
+def test_each_exit_score_has_its_formula_on_fixed_logits():
+    # 4 tokens with logits (3, 1, 0.5, -1) at exit 1 and (2, 2.5, 0, 0) at exit 2: top1 - top2 is 2 and
+    # 0.5 (top1 - top3 would be 2.5 and 2), the two KLs differ with their direction
+    first, second = torch.tensor([[3.0, 1.0, 0.5, -1.0]]), torch.tensor([[2.0, 2.5, 0.0, 0.0]])
+    p = first.softmax(-1)
+    torch.testing.assert_close(exits.exit_score(first, 'maxprob'), p.max(-1).values)
+    torch.testing.assert_close(exits.exit_score(first, 'margin'), torch.tensor([2.0]))
+    torch.testing.assert_close(exits.exit_score(second, 'margin'), torch.tensor([0.5]))
+    H = -(p * p.log()).sum(-1)
+    torch.testing.assert_close(exits.exit_score(first, 'entropy'), 1 - H / math.log(4))
+    # kl: -KL(p_1 || p_2), the earlier exit's distribution first; -inf at exit 1, where none came before
+    s1, prev = exits.score_at_exit(None, 'kl', None, first)
+    s2, _ = exits.score_at_exit(None, 'kl', None, second, prev)
+    q = second.softmax(-1)
+    forward, backward = (p * (p / q).log()).sum(-1), (q * (q / p).log()).sum(-1)
+    assert bool(torch.isneginf(s1).all()) and abs(float(forward - backward)) > 0.1
+    torch.testing.assert_close(s2, -forward)
+    # gate: 1 - prod_{j<=k} (1 - lambda_j), the chance of having exited by exit k (not lambda_k alone)
+    gate, got, prev = FixedGate([0.2, 0.5, 0.1]), [], None
+    for k in range(3):
+        score, prev = exits.score_at_exit(gate, 'gate', k, None, prev)
+        got.append(float(score))
+    assert got == pytest.approx([0.2, 1 - 0.8 * 0.5, 1 - 0.8 * 0.5 * 0.9])
+
+
+@pytest.mark.parametrize('kw', [dict(exit_threshold=0.5), dict(draft_loops=1)])
+def test_hyper_connection_lanes_refuse_early_exits_and_drafts_in_one_line(kw):
+    # the lanes are carried from loop 1 within one pass (docs/papers.md §3): a token that runs loop k apart
+    # from loops 1..k-1 (an exit test between loops, a verify pass after a draft) has no lanes to read
+    m = tiny(hyper_lanes=2, inter_loop_norm='rmsnorm')
+    options = dict(exit_threshold=None, exit_policy='maxprob', kv_policy='recompute', kv_slots=0,
+                   draft_loops=0, speculate=None) | kw
+    why = engine.conflicts(m.config, 4, **options)
+    assert 'hyper-connection lanes' in why and '\n' not in why
+    with pytest.raises(AssertionError, match='hyper_lanes'):
+        generate(m, prompts(B=1), 2, **kw)

@@ -50,7 +50,7 @@ def test_freeze_clamp_rescales_every_loop_to_loop_one_rms():
 
 def blocks(model, x):
     for block in model.transformer.h:
-        x = block(x)
+        x, _ = block(x)
     return x
 
 
@@ -95,7 +95,7 @@ def test_unclamped_loop_equals_model_loop_states(kw):
     model = tiny(**kw)
     X, _ = batch()
     with torch.no_grad():
-        for a, b in zip(diagnostics.clamped_states(model, X, n_loop=5), model.states(X, n_loop=5)):
+        for a, b in zip(diagnostics.clamped_states(model, X, n_loop=5), model.run(X, n_loop=5).states):
             assert torch.equal(a, b)
 
 

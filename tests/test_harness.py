@@ -77,7 +77,7 @@ def reference_ll(model, ids, context, continuation, k):
     ctx, cont = ids(context) or ids('\n'), ids(continuation)
     x = (ctx + cont)[-(model.config.block_size + 1):-1]
     with torch.no_grad():
-        h = model.states(torch.tensor([x]), k)[k - 1]
+        h = model.run(torch.tensor([x]), k).states[k - 1]
         logp = F.log_softmax(model.readout(h, k)[0].float(), -1)  # (T, V)
     rows = logp[len(x) - len(cont):]
     return rows[torch.arange(len(cont)), torch.tensor(cont)].sum().item(), rows.argmax(-1).tolist() == cont
@@ -107,7 +107,7 @@ def test_rolling_loglikelihood_is_the_val_ce_times_the_tokens(out, lm):
     for n in (2 * bs, 11):  # two whole windows; one short one
         s = torch.tensor(ids('\n' + text[:n]))
         X, Y = s[:-1].view(-1, min(n, bs)), s[1:].view(-1, min(n, bs))
-        ce, _ = model.exit_metrics(X, Y, n_loop=max(DEPTHS))
+        ce, _, _ = model.exit_metrics(X, Y, n_loop=max(DEPTHS))
         for k in DEPTHS:
             lm.n_loop = k
             got, = lm.loglikelihood_rolling([Instance('loglikelihood_rolling', {}, (text[:n],), 0)])
@@ -121,7 +121,7 @@ def test_generate_until_is_greedy_generate_cut_at_the_stop_string(deep):
     for k in (1, 2):
         lm.n_loop = k
         ctx = DOCS[0]['context']
-        y, _ = generate(model, torch.tensor([ids(ctx)]), 20, temperature=0, n_loop=k)
+        y, _, _ = generate(model, torch.tensor([ids(ctx)]), 20, temperature=0, n_loop=k)
         full = decode(y[0, len(ctx):].tolist())
         texts.add(full)
         stop = full[5]  # a character it does produce: the answer is the text before its first occurrence

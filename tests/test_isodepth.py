@@ -19,7 +19,8 @@ from test_model import V, T, batch, tiny
 from test_reliability import assert_clean_error
 
 import isodepth
-from model import GPT, GPTConfig, flops_per_token, param_counts
+from accounting import flops_per_token, param_counts
+from model import GPT, GPTConfig
 
 C = 16
 BLOCK = 2 * C + 16 * C * C  # swiglu: two norm gains, 4 C^2 attention, 12 C^2 MLP
@@ -191,6 +192,22 @@ def main_error(capsys, *args):
     return stop.value.code, capsys.readouterr().err
 
 
+def test_without_scipy_help_works_and_a_fit_stops_with_one_line_naming_it(tmp_path):
+    # a plain install (requirements.txt) has no scipy, a lab extra: a scipy that fails to import stands in
+    fake = tmp_path / 'no_scipy' / 'scipy'
+    fake.mkdir(parents=True)
+    (fake / '__init__.py').write_text("raise ModuleNotFoundError('No module named scipy', name='scipy')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), os.environ.get('PYTHONPATH', '')]))
+    run = lambda *args: subprocess.run([sys.executable, str(isodepth.__file__), *args], cwd=tmp_path,
+                                       capture_output=True, text=True, env=env)
+    r = run('--help')
+    assert r.returncode == 0 and '--fit' in r.stdout, r.stderr
+    path = write_csv(tmp_path / 'runs.csv', draw(0.46))
+    for args in (['--fit', path], ['--report_only']):  # the sweep's report fits too: it stops before training
+        r = run(*args)
+        assert_clean_error(r.returncode, r.stderr, 'scipy', 'pip install scipy')
+
+
 def test_fit_cli_prints_phi_and_writes_it_with_its_ci_as_json(tmp_path):
     path = write_csv(tmp_path / 'runs.csv', draw(0.46))
     code, out, err = cli('--fit', path, '--json', 'fit.json', '--starts=10', '--resamples=10',
@@ -237,8 +254,8 @@ def block_inputs(m, X, R):
     seen = []
     hook = m.transformer.h[0].register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
     with torch.no_grad():
-        e = m.prelude(X)
-        states = m.loops(e, e, range(1, R + 1))
+        e = m.prelude(m.embed(X))
+        states = m.loops(e, e, range(1, R + 1)).states
     hook.remove()
     return seen, e, states
 
@@ -262,8 +279,8 @@ def test_the_papers_injection_at_init_feeds_every_loop_the_prelude_output():
     s = [e] + [m.transformer.ln_loop(h) for h in states]
     for k, x in enumerate(adapter_in):
         torch.testing.assert_close(x, torch.cat([e, s[k]], -1))
-    coda = m.transformer.ln_out(m.transformer.coda[0](s[3], m.rope(0, T)))
-    torch.testing.assert_close(m.head_input(states[-1], 3), coda)
+    coda = m.transformer.ln_out(m.transformer.coda[0](s[3], m.rope(0, T))[0])
+    torch.testing.assert_close(m.coda_readout(states[-1], 3), coda)
 
 
 def test_hyper_connections_at_init_run_loop_1_as_the_plain_loop():
@@ -285,7 +302,7 @@ def test_hyper_connections_at_init_run_loop_1_as_the_plain_loop():
         for k in range(3):
             h = lane
             for block in hyper.transformer.h:
-                h = block(h, hyper.rope(0, T))
+                h, _ = block(h, hyper.rope(0, T))
             if k == 0:
                 torch.testing.assert_close(h, h_plain[0])  # loop 1 is the plain loop
             torch.testing.assert_close(seen_hyper[k], lane)

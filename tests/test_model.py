@@ -11,7 +11,8 @@ from engine import KVCache, decode_step, generate
 from exits import THRESHOLD_RANGES, adaptive_step
 from hardware import attention_path, auto_dtype, peak_flops
 from kernels import LinearCrossEntropy, attention
-from model import GPT, GPTConfig, estimate_mfu, flops_per_token
+from accounting import estimate_mfu, flops_per_token
+from model import GPT, GPTConfig
 
 V, T = 48, 16
 
@@ -65,10 +66,10 @@ def test_parameter_count_does_not_depend_on_loop_count():
 def test_loop_states_returns_one_state_per_loop_and_n_loop_overrides_R():
     m = tiny()
     idx, _ = batch()
-    assert [h.shape for h in m.states(idx)] == [(3, T, 16)] * 3
-    assert len(m.states(idx, n_loop=1)) == 1 and len(m.states(idx, n_loop=6)) == 6
+    assert [h.shape for h in m.run(idx).states] == [(3, T, 16)] * 3
+    assert len(m.run(idx, n_loop=1).states) == 1 and len(m.run(idx, n_loop=6).states) == 6
     # early exit: the first k states of a longer run are the states of a shorter run
-    a, b = m.states(idx, n_loop=2), m.states(idx, n_loop=5)
+    a, b = m.run(idx, n_loop=2).states, m.run(idx, n_loop=5).states
     assert all(torch.allclose(x, y) for x, y in zip(a, b))
 
 
@@ -84,7 +85,7 @@ def test_one_layer_looped_R_times_equals_R_copied_layers_run_once(block):
                 sd[key.replace('transformer.h.0.', f'transformer.h.{j}.')] = value
     untied.load_state_dict(sd)
     idx, tgt = batch()
-    assert torch.allclose(looped.states(idx)[-1], untied.states(idx)[-1], atol=1e-5)
+    assert torch.allclose(looped.run(idx).states[-1], untied.run(idx).states[-1], atol=1e-5)
     assert torch.allclose(looped(idx, tgt)[1], untied(idx, tgt)[1], atol=1e-5)
 
 
@@ -92,14 +93,14 @@ def test_inter_loop_norm_hands_each_loop_a_unit_rms_state():
     m = tiny(inter_loop_norm='rmsnorm', n_loop=4)
     seen = []
     hook = m.transformer.h[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
-    m.states(batch()[0])
+    m.run(batch()[0]).states
     hook.remove()
     # loop 1 gets the embedding (norm ~ 1 per entry under reference init); loops 2..R get LoopNorm(h_{k-1})
     for x in seen[1:]:
         assert torch.allclose(x.pow(2).mean(-1).sqrt(), torch.ones(x.shape[:2]), atol=1e-3)
     # ...while the states leaving each loop are not normalised (their scale is what docs/papers.md §1
     # reports)
-    assert not torch.allclose(m.states(batch()[0])[-1].pow(2).mean(-1), torch.ones(3, T), atol=1e-2)
+    assert not torch.allclose(m.run(batch()[0]).states[-1].pow(2).mean(-1), torch.ones(3, T), atol=1e-2)
 
 
 # ---------------------------------------------------------------- the readout blind spot (docs/papers.md §1)
@@ -138,15 +139,15 @@ def test_final_only_norms_the_last_exit_of_a_sampled_depth(R):
     # a training step that draws R != n_loop (loop_sampling) still reads its last exit through the norm
     m = tiny(readout='final_only', supervision='terminal', n_loop=3)
     idx, tgt = batch()
-    states = m.states(idx, n_loop=R)
-    normed = F.cross_entropy(m.lm_head(m.transformer.ln_out(states[-1])).view(-1, V), tgt.view(-1))
-    torch.testing.assert_close(m.loss(states, tgt), normed, atol=1e-5, rtol=1e-5)
+    out = m.run(idx, n_loop=R)
+    normed = F.cross_entropy(m.lm_head(m.transformer.ln_out(out.states[-1])).view(-1, V), tgt.view(-1))
+    torch.testing.assert_close(m.loss(out, tgt), normed, atol=1e-5, rtol=1e-5)
 
 
 def test_per_loop_loss_is_the_mean_of_exit_ces_and_terminal_is_the_last():
     idx, tgt = batch()
     per_loop, terminal = tiny(supervision='per_loop'), tiny(supervision='terminal')
-    ce, _ = per_loop.exit_metrics(idx, tgt)
+    ce, _, _ = per_loop.exit_metrics(idx, tgt)
     assert torch.allclose(per_loop(idx, tgt)[1], ce.mean(), atol=1e-5)
     assert torch.allclose(terminal(idx, tgt)[1], terminal.exit_metrics(idx, tgt)[0][-1], atol=1e-5)
 
@@ -155,21 +156,21 @@ def test_norm_penalty_adds_lambda_times_mean_square_of_all_loop_states_and_zero_
     idx, tgt = batch()
     for supervision in ('per_loop', 'terminal'):
         plain, pen = tiny(supervision=supervision), tiny(supervision=supervision, norm_penalty=0.01)
-        states = plain.states(idx)
+        states = plain.run(idx).states
         expected = 0.01 * torch.stack([h.pow(2).mean() for h in states]).mean()
         assert torch.allclose(pen(idx, tgt)[1] - plain(idx, tgt)[1], expected, atol=1e-5)
     # lambda = 0: the loss is the exits' CE alone
     off = tiny(norm_penalty=0.0)
     ce = torch.stack([F.cross_entropy(off.readout(h, k).view(-1, V), tgt.view(-1))
-                      for k, h in enumerate(off.states(idx), start=1)]).mean()
+                      for k, h in enumerate(off.run(idx).states, start=1)]).mean()
     assert torch.allclose(off(idx, tgt)[1], ce, atol=1e-6)
 
 
 def test_exit_metrics_report_mean_per_token_l2_norm_of_each_loop_state():
     m = tiny()
     idx, tgt = batch()
-    _, norms = m.exit_metrics(idx, tgt)
-    expected = torch.stack([h.norm(dim=-1).mean() for h in m.states(idx)])
+    _, norms, _ = m.exit_metrics(idx, tgt)
+    expected = torch.stack([h.norm(dim=-1).mean() for h in m.run(idx).states])
     assert torch.allclose(norms, expected)
 
 
@@ -276,7 +277,7 @@ def test_block_types_place_norms_and_alpha_where_the_formulas_say(block):
         else:
             y = rms_norm(a * x + b.attn(rms_norm(x, b.ln_1)), b.pn_1)
             expected = rms_norm(a * y + b.mlp(rms_norm(y, b.ln_2)), b.pn_2)
-        assert torch.allclose(b(x), expected, atol=1e-5)
+        assert torch.allclose(b(x)[0], expected, atol=1e-5)
 
 
 @pytest.mark.parametrize('block', ['preln', 'sandwich'])
@@ -301,12 +302,12 @@ def test_loop_eps_scales_prenorm_branches_by_lambda_over_R_sqrt_K_and_zero_is_of
     m = tiny(block='preln', n_layer=2, n_loop=4, loop_lambda=lam)
     b = m.transformer.h[0]
     eps = lam / (4 * math.sqrt(2)) if lam > 0 else 1.0
-    assert math.isclose(b.eps, eps)
+    assert math.isclose(b.eps, eps) and math.isclose(m.config.branch_scale, eps)
     random_gains(b)
     x = torch.randn(2, T, 16)
     with torch.no_grad():
         y = x + eps * b.attn(rms_norm(x, b.ln_1))
-        assert torch.allclose(b(x), y + eps * b.mlp(rms_norm(y, b.ln_2)), atol=1e-5)
+        assert torch.allclose(b(x)[0], y + eps * b.mlp(rms_norm(y, b.ln_2)), atol=1e-5)
 
 
 # ---------------------------------------------------------------- attention paths
@@ -368,7 +369,8 @@ def test_every_attention_path_agrees_under_bf16_autocast(impl):
 
 
 def test_auto_attention_is_explicit_only_for_short_low_precision_cpu_attention():
-    # measured (README, Performance): the CPU flash kernel wins in fp32 and at long contexts, loses in bf16
+    # measured (docs/performance.md, "Attention on a CPU"): the CPU flash kernel wins in fp32 and at long
+    # contexts, loses in bf16
     assert attention_path('auto', 'cpu', torch.float32, 64) == 'sdpa'
     assert attention_path('auto', 'cpu', torch.bfloat16, 64) == 'explicit'
     assert attention_path('auto', 'cpu', torch.bfloat16, 4096) == 'sdpa'
@@ -399,7 +401,7 @@ def test_lean_per_loop_loss_and_gradients_equal_the_naive_version(kw):
     loss.backward()
     lean = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
-    states = m.states(idx)
+    states = m.run(idx).states
     naive = sum(w * F.cross_entropy(m.readout(h, k).view(-1, V), tgt.view(-1), ignore_index=-1)
                 for k, (h, w) in enumerate(zip(states, m.exit_weights(3)), start=1) if w > 0)
     naive = naive + m.config.norm_penalty * torch.stack([h.pow(2).mean() for h in states]).mean()
@@ -458,7 +460,7 @@ def test_overriding_n_loop_supervises_every_exit_uniformly_or_the_last_under_ter
     assert term.exit_weights(5) == [0.0] * 4 + [1.0]
     for R in (2, 5):
         ce = lambda model: torch.stack([F.cross_entropy(model.readout(h, k).view(-1, V), tgt.view(-1))
-                                        for k, h in enumerate(model.states(idx, R), start=1)])
+                                        for k, h in enumerate(model.run(idx, R).states, start=1)])
         assert torch.allclose(m(idx, tgt, n_loop=R)[1], ce(m).mean(), atol=1e-5), R
         assert torch.allclose(term(idx, tgt, n_loop=R)[1], ce(term)[-1], atol=1e-5), R
 
@@ -522,14 +524,14 @@ def test_cached_decoding_equals_full_recompute(kw):
     idx, _ = batch(B=2)
     # 4 prompt tokens + 30 new tokens runs past block_size 16, so the cache is also rebuilt after the crop
     for n_loop in (None, 5):
-        fast, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop)
-        slow, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop, use_cache=False)
+        fast, _, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop)
+        slow, _, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop, use_cache=False)
         assert torch.equal(fast, slow), n_loop
 
 
 def exit_logits(m, seq):
     """(R, B, V): every exit's logits at the last position of seq, from the uncached full forward"""
-    states = m.states(seq)
+    states = m.run(seq).states
     return torch.stack([m.readout(h[:, -1], k) for k, h in enumerate(states, start=1)])
 
 
@@ -556,16 +558,16 @@ def test_adaptive_exit_uses_the_first_confident_loop(policy):
     m = tiny(n_loop=4).eval()
     prompt = batch(B=4)[0][3:, :4]
     # threshold 0: every token exits at loop 1 (the first new token is read off the prompt pass: all loops)
-    _, used = generate(m, prompt, 6, temperature=0, exit_threshold=0.0, exit_policy=policy)
+    _, used, _ = generate(m, prompt, 6, temperature=0, exit_threshold=0.0, exit_policy=policy)
     assert used.tolist() == [[4] + [1] * 5]
     # unreachable (the top of the policy's range): every token runs all R loops, which is fixed exit at R
     top = THRESHOLD_RANGES[policy][1]
-    never, used = generate(m, prompt, 6, temperature=0, exit_threshold=min(top, 1e9), exit_policy=policy)
+    never, used, _ = generate(m, prompt, 6, temperature=0, exit_threshold=min(top, 1e9), exit_policy=policy)
     assert used.tolist() == [[4] * 6]
     assert torch.equal(never, generate(m, prompt, 6, temperature=0)[0])
     # a threshold only loop 2 reaches: the token stops at loop 2 and is loop 2's argmax
     t, logits = middle_exit(m, prompt, policy)
-    out, used = generate(m, prompt, 2, temperature=0, exit_threshold=t, exit_policy=policy)
+    out, used, _ = generate(m, prompt, 2, temperature=0, exit_threshold=t, exit_policy=policy)
     assert used.tolist() == [[4, 2]]
     assert out[0, -1].item() == logits[1, 0].argmax().item() != logits[3, 0].argmax().item()
 
@@ -588,11 +590,11 @@ def test_batched_adaptive_decoding_equals_decoding_each_row_alone(policy):
     # each row's first confident loop, else R
     first = torch.where(s[:3] >= t, torch.arange(1, 4)[:, None], 4).min(0).values
     assert (s - t).abs().min() > 1e-4 and len(set(first.tolist())) >= 2, (s, t)
-    both, used = generate(m, prompts, 14, temperature=0, exit_threshold=t, exit_policy=policy)
+    both, used, _ = generate(m, prompts, 14, temperature=0, exit_threshold=t, exit_policy=policy)
     assert torch.equal(used[:, 1], first.float())
     assert torch.equal(both[:, 5], logits[first - 1, torch.arange(8)].argmax(-1))
     for row in range(8):
-        alone, alone_used = generate(m, prompts[row:row + 1], 14, temperature=0, exit_threshold=t,
+        alone, alone_used, _ = generate(m, prompts[row:row + 1], 14, temperature=0, exit_threshold=t,
                                      exit_policy=policy)
         assert torch.equal(alone[0], both[row]) and torch.equal(alone_used[0], used[row]), row
 
@@ -606,7 +608,7 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
     _, used = adaptive_step(m, idx[:, 4:5], cache, 4, R, 0.0, 'maxprob')  # exits after loop 1
     assert used.item() == 1
     # the exit state entering loop 2 is frozen; loops 2..R write K/V computed from it
-    x = m.states(idx[:, :5], n_loop=1)[0][:, -1:]  # the new token's state after loop 1
+    x = m.run(idx[:, :5], n_loop=1).states[0][:, -1:]  # the new token's state after loop 1
     for k in (2, 3):
         for j, block in enumerate(m.transformer.h):
             kk, vv = block.keys_values(x)
@@ -663,11 +665,44 @@ def test_a_cached_multi_token_step_after_position_0_equals_the_full_recompute(kw
     idx, _ = batch(B=2)
     R = m.config.n_loop
     with torch.no_grad():
-        full = m.readout(m.states(idx)[-1], R)  # (B, T, V)
+        full = m.readout(m.run(idx).states[-1], R)  # (B, T, V)
         cache, pos = KVCache(m, 2, R, 'cpu', torch.float32), 0
         for n in (5, 4, 1, 6):
-            e = m.prelude(idx[:, pos:pos + n], cache, pos)
-            h = m.loops(e, e, range(1, R + 1), cache, pos)[-1]
-            got = m.lm_head(m.head_input(h, R, cache, pos))
+            e = m.prelude(m.embed(idx[:, pos:pos + n], pos), cache, pos)
+            h = m.loops(e, e, range(1, R + 1), cache, pos).states[-1]
+            got = m.lm_head(m.coda_readout(h, R, cache, pos))
             assert torch.allclose(got, full[:, pos:pos + n], atol=1e-5), (pos, n)
             pos += n
+
+
+def attributes(model):
+    """Every module's own attributes, as (module name, attribute, id of its value): parameters and buffers
+    by identity, everything else set on a module (a list, a tensor, a flag) too."""
+    def snapshot(v):  # a container by what it holds: an append in place shows
+        return tuple(map(id, v)) if isinstance(v, (list, tuple)) else \
+            tuple((k, id(x)) for k, x in v.items()) if isinstance(v, dict) else ()
+    out = set()
+    for name, mod in model.named_modules():
+        for attr, value in vars(mod).items():
+            items = value.items() if attr in ('_parameters', '_buffers', '_modules') else [(attr, value)]
+            out |= {(name, key, id(v), snapshot(v)) for key, v in items}
+    return out
+
+
+@pytest.mark.parametrize('kw', [dict(n_expert=4, tied_routing=True, n_prelude=1, n_coda=1,
+                                     injection='concat'),
+                                dict(hyper_lanes=2, inter_loop_norm='rmsnorm', supervision='terminal'),
+                                dict(exit_gate='learned', norm_penalty=0.1)])
+def test_a_pass_returns_what_it_computes_and_leaves_the_model_as_it_found_it(kw):
+    # the loop's states and the experts' routes come back from the call: no forward, loss or metric writes
+    # to the model, so a second pass cannot read the first one's leftovers
+    m = tiny(**kw)
+    idx, tgt = batch()
+    before = attributes(m)
+    out = m.run(idx)
+    m(idx, tgt)[1].backward()
+    m.loss(out, tgt)
+    m.exit_metrics(idx, tgt)
+    m.loops(out.states[0], out.states[0], [1, 2])
+    assert attributes(m) == before
+    assert len(out.routes) == (m.config.n_layer * m.config.n_loop if m.config.n_expert else 0)

@@ -1,8 +1,10 @@
 """
-Looped-MoE (docs/papers.md §5): a mixture of experts in place of the MLP. The grouped dispatch is the
-per-expert loop, the balancing and z-losses are their formulas per visit, tied routing reuses loop 1's
-experts, k of E experts of width 4C/k cost what the dense MLP costs, and everything the dense model
-guarantees (exact resume, DDP, cached and self-speculative decoding, one-line errors) holds with experts.
+Looped-MoE (docs/papers.md §5): a mixture of experts in place of the MLP of the K shared layers (the
+prelude and coda stay dense). The grouped dispatch is the per-expert loop, the router decides in fp32,
+the balancing and z-losses are their formulas per visit, read from the routes a run returns, tied routing
+reuses loop 1's experts, k of E experts of width 4C/k cost what the dense MLP costs, and everything the
+dense model guarantees (exact resume, DDP, cached and self-speculative decoding, one-line errors) holds
+with experts.
 """
 import json
 import math
@@ -13,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import save_tiny_checkpoint
@@ -25,7 +28,8 @@ from test_train import REPO, TINY, cli_env, read_metrics, run_train, write_data
 import kernels
 from configurator import check_model
 from engine import generate
-from model import GPT, GPTConfig, activation, active_params, flops_per_token
+from accounting import active_params, flops_per_token
+from model import GPT, MLP, GPTConfig, MoE, Route, activation, router_losses
 
 V, T = 48, 16
 MOE = dict(n_expert=4, top_k=2)
@@ -102,14 +106,13 @@ def test_routing_of_a_token_does_not_depend_on_the_rest_of_the_batch():
     m = tiny().eval()
     X, _ = batch(B=4)
     with torch.no_grad():
-        together = m.states(X)
-        routes = [[r.idx.view(4, T, -1) for r in moe.visits] for moe in m.moe_layers()]
+        together = m.run(X)
         for b in range(4):
-            alone = m.states(X[b:b + 1])
-            for layer, moe in enumerate(m.moe_layers()):
-                for k, r in enumerate(moe.visits):
-                    assert torch.equal(r.idx.view(1, T, -1)[0], routes[layer][k][b]), (b, layer, k)
-            for h, h1 in zip(together, alone):
+            alone = m.run(X[b:b + 1])
+            assert len(alone.routes) == len(together.routes) == 2 * 3  # every visit of a shared layer
+            for visit, (r, r1) in enumerate(zip(together.routes, alone.routes)):
+                assert torch.equal(r1.idx, r.idx.view(4, T, -1)[b]), (b, visit)
+            for h, h1 in zip(together.states, alone.states):
                 torch.testing.assert_close(h[b:b + 1], h1, rtol=1e-5, atol=1e-5)
 
 
@@ -131,22 +134,55 @@ def test_moe_under_bf16_autocast_on_cpu_runs_and_is_close_to_fp32():
     exact = kernels.moe_loop(x, idx, w, c_fc, c_proj, act)
     torch.testing.assert_close(y.float(), exact, rtol=0.05, atol=0.05)
 
+
+def test_the_router_decides_in_fp32_under_bf16_autocast():
+    # a bf16 router would round logits ~1e-2 apart, enough to swap a token's top k: under autocast the
+    # logits of every visit are the fp32 router's on that visit's input, whatever dtype the input has.
+    # The concat adapter is a Linear, so under autocast loops 2..R's MoE reads bf16 activations
+    m = tiny(n_prelude=1, n_coda=1, injection='concat')
+    X, _ = batch()
+    seen = []  # (the MoE, its input) at every visit, in call order: the order of the routes
+    for layer in m.transformer.h:
+        layer.mlp.register_forward_pre_hook(lambda moe, args: seen.append((moe, args[0].detach())))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        routes = m.run(X).routes
+    assert len(routes) == len(seen) == 2 * 3
+    assert any(x.dtype == torch.bfloat16 for _, x in seen)  # the premise: bf16 activations reach it
+    for visit, ((moe, x), route) in enumerate(zip(seen, routes)):
+        assert route.logits.dtype == torch.float32, visit
+        fp32 = F.linear(x.float().flatten(0, 1), moe.router.weight)  # outside autocast: fp32 throughout
+        torch.testing.assert_close(route.logits, fp32, rtol=0, atol=1e-5, msg=f"visit {visit}")
+        assert torch.equal(route.idx, fp32.topk(2, dim=-1).indices), visit
+
+# ---------------------------------------------------------------- where the experts sit
+
+
+def test_experts_never_sit_in_the_prelude_or_coda(monkeypatch):
+    # §5 (Looped-MoE) puts experts in the K shared layers only: the prelude (run once) and the coda (run at
+    # every exit) are dense MLPs whatever n_expert, and a pass routes once per visit of a shared layer
+    m = tiny(n_prelude=1, n_coda=2, injection='add')
+    t = m.transformer
+    assert all(type(b.mlp) is MLP for b in (*t.prelude, *t.coda))
+    assert all(isinstance(b.mlp, MoE) for b in t.h)
+    calls, moe = [], kernels.moe
+    monkeypatch.setattr(kernels, 'moe', lambda *a: calls.append(1) or moe(*a))
+    X, Y = batch()
+    for R in (3, 5):  # the trained R, and more loops at inference
+        calls.clear()
+        assert len(m.run(X, n_loop=R).routes) == len(calls) == 2 * R  # n_layer * n_loop, no more
+    calls.clear()
+    m(X, Y)  # a training pass reads the coda at each of the 3 exits: no expert runs there
+    assert len(calls) == 2 * 3
+
 # ---------------------------------------------------------------- the router losses
-
-
-def hand_built(model, routes):
-    # the routes (logits, idx) of one MoE layer's visits, the other layers silent
-    for moe in model.moe_layers():
-        moe.visits.clear()
-    model.moe_layers()[0].visits.extend(routes)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_torch_compile_traces_the_moe_once_whatever_the_tokens_per_expert(dtype):
     # bf16: F.grouped_mm traces, one graph for the whole model. float32: grouped_mm's meta kernel wants
     # bf16, so the experts run eagerly behind a graph break. Either way new counts per expert recompile
-    # nothing after the first step, whose visits list starts empty (dynamo's CompileCounter counts the
-    # graphs; its eager backend keeps the values exact)
+    # nothing after the first step (dynamo's CompileCounter counts the graphs; its eager backend keeps the
+    # values exact)
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
     m, graphs = tiny(n_layer=1, n_loop=2), CompileCounter()
@@ -165,36 +201,30 @@ def test_torch_compile_traces_the_moe_once_whatever_the_tokens_per_expert(dtype)
 def test_balance_and_z_loss_equal_their_formulas_on_a_hand_built_router_output():
     # E = 4 experts, k = 2 slots per token, 3 tokens. Balance = E sum_i f_i P_i, with f_i the share of the
     # N k slots sent to expert i and P_i its mean router probability; z = mean_t logsumexp(logits_t)^2
-    m = tiny()
     rows = [[2.0, 0.0, 0.0, -1.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.5]]
     picks = [[0, 1], [1, 0], [2, 3]]
-    hand_built(m, [(torch.tensor(rows), torch.tensor(picks))])
-    balance, z = m.router_losses()
+    balance, z = router_losses([Route(torch.tensor(rows), torch.tensor(picks))])
     f = [2 / 6, 2 / 6, 1 / 6, 1 / 6]
     P = [sum(math.exp(r[i]) / sum(math.exp(v) for v in r) for r in rows) / 3 for i in range(4)]
     lse = [math.log(sum(math.exp(v) for v in r)) for r in rows]
     assert balance.item() == pytest.approx(4 * sum(fi * Pi for fi, Pi in zip(f, P)), rel=1e-6)
     assert z.item() == pytest.approx(sum(s * s for s in lse) / 3, rel=1e-6)
     # uniform probabilities and a uniform load: balance 1; z = (log E)^2
-    hand_built(m, [(torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]]))])
-    balance, z = m.router_losses()
+    balance, z = router_losses([Route(torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]]))])
     assert balance.item() == pytest.approx(1.0) and z.item() == pytest.approx(math.log(4) ** 2)
 
 
 def test_balance_is_per_visit_so_a_routing_balanced_over_loops_but_not_within_one_scores_worse():
     # loop 1 sends every token to experts 0 and 1, loop 2 to experts 2 and 3: pooled over loops the load
     # is uniform, but within each loop half the experts idle. Per visit, it scores as badly as it is
-    m = tiny()
     sure = lambda experts: torch.tensor([[4.0 if i == e else 0.0 for i in range(4)] for e in experts])
-    split = [(sure([0, 1, 0, 1]), torch.tensor([[0], [1], [0], [1]])),
-             (sure([2, 3, 2, 3]), torch.tensor([[2], [3], [2], [3]]))]
-    even = [(sure([0, 1, 2, 3]), torch.tensor([[0], [1], [2], [3]]))] * 2
-    hand_built(m, split)
-    per_loop, _ = m.router_losses()
-    hand_built(m, even)
-    within, _ = m.router_losses()
-    hand_built(m, [(torch.cat([split[0][0], split[1][0]]), torch.cat([split[0][1], split[1][1]]))])
-    pooled, _ = m.router_losses()
+    split = [Route(sure([0, 1, 0, 1]), torch.tensor([[0], [1], [0], [1]])),
+             Route(sure([2, 3, 2, 3]), torch.tensor([[2], [3], [2], [3]]))]
+    even = [Route(sure([0, 1, 2, 3]), torch.tensor([[0], [1], [2], [3]]))] * 2
+    per_loop, _ = router_losses(split)
+    within, _ = router_losses(even)
+    pooled, _ = router_losses([Route(torch.cat([split[0].logits, split[1].logits]),
+                                     torch.cat([split[0].idx, split[1].idx]))])
     assert within.item() == pytest.approx(pooled.item()) and within.item() < 1.0
     assert per_loop.item() > 1.5 * within.item()
 
@@ -206,9 +236,12 @@ def test_the_router_losses_enter_the_training_loss_with_their_coefficients():
     _, ce = m(X, Y)
     m.config.aux_loss_coef, m.config.z_loss_coef = 0.5, 0.25
     _, loss = m(X, Y)
-    balance, z = m.router_losses()
-    assert len(m.moe_layers()) == 2 and all(len(moe.visits) == 3 for moe in m.moe_layers())  # K x R visits
+    routes = m.run(X).routes
+    assert len(routes) == 2 * 3  # K x R visits, each with its own Route
+    balance, z = router_losses(routes)
     torch.testing.assert_close(loss, ce + 0.5 * balance + 0.25 * z)
+    # and the diagnostics report the same pair for the same pass
+    torch.testing.assert_close(m.exit_metrics(X, Y)[2], torch.stack([balance, z]))
 
 # ---------------------------------------------------------------- tied routing
 
@@ -218,21 +251,23 @@ def test_tied_routing_reuses_loop_1s_experts_exactly_with_each_loops_own_weights
     monkeypatch.setattr(kernels, 'moe', lambda x, idx, w, *a: calls.append((idx, w)) or moe(x, idx, w, *a))
     tied, free = tiny(tied_routing=True), tiny()
     X, Y = batch()
-    h_tied, h_free = tied.states(X), free.states(X)
-    for layer in tied.moe_layers():
-        first = layer.visits[0]
+    out_tied, out_free = tied.run(X), free.run(X)
+    h_tied, h_free = out_tied.states, out_free.states
+    K = 2  # routes in call order: loop 1's layers 0..K-1, then loop 2's, ...; layer j's visits are [j::K]
+    for j in range(K):
+        first, *later = out_tied.routes[j::K]
         assert torch.equal(first.idx, first.logits.topk(2, dim=-1).indices)  # loop 1 picks its own top k
-        for logits, idx in layer.visits[1:]:
+        for logits, idx in later:
             assert torch.equal(idx, first.idx)
     # the weights of loop k are loop k's router probabilities at loop 1's experts, renormalised
-    in_call_order = [layer.visits[k] for k in range(3) for layer in tied.moe_layers()]  # loop k, layer j
-    for (idx, w), (logits, _) in zip(calls[:6], in_call_order):
+    assert len(calls) == 2 * 6
+    for (idx, w), (logits, _) in zip(calls[:6], out_tied.routes):
         p = logits.softmax(-1).gather(-1, idx)
         torch.testing.assert_close(w, p / p.sum(-1, keepdim=True))
     # the same weights: loop 1 is the untied model's loop 1, and untied routing does move between loops
     assert torch.equal(h_tied[0], h_free[0]) and not torch.equal(h_tied[-1], h_free[-1])
-    assert any(not torch.equal(r.idx, layer.visits[0].idx)
-               for layer in free.moe_layers() for r in layer.visits)
+    assert any(not torch.equal(r.idx, out_free.routes[j].idx)
+               for j in range(K) for r in out_free.routes[j::K])
 
 # ---------------------------------------------------------------- what a token costs
 
@@ -250,9 +285,9 @@ def test_k_of_E_experts_of_width_4C_over_k_cost_the_dense_mlp_plus_the_router(ml
     mlp_params = lambda m: sum(p.numel() for b in m.transformer.h for n, p in b.mlp.named_parameters()
                                if n != 'router.weight')
     assert mlp_params(moe) * k == mlp_params(dense) * E
-    # moe_where='all': the prelude (once) and the coda (at each of the R exits) route too
-    dense, moe = (tiny(mlp=mlp, n_expert=n, top_k=k, moe_where='all', n_prelude=1, n_coda=1) for n in (0, 8))
-    assert flops_per_token(moe) == flops_per_token(dense) + 6 * (R * K + 1 + R) * router
+    # with a prelude and a coda: they are dense MLPs either way, so only the R K shared visits pay a router
+    dense, moe = (tiny(mlp=mlp, n_expert=n, top_k=k, n_prelude=1, n_coda=1) for n in (0, 8))
+    assert flops_per_token(moe) == flops_per_token(dense) + 6 * R * K * router
 
 
 def test_the_moe_keys_change_nothing_when_n_expert_is_0():
@@ -260,40 +295,41 @@ def test_the_moe_keys_change_nothing_when_n_expert_is_0():
     # keys it ignores must stay ignored
     X, Y = batch()
     plain = tiny(n_expert=0)
-    other = tiny(n_expert=0, top_k=7, expert_hidden=5, moe_where='all', aux_loss_coef=1.0, z_loss_coef=1.0)
-    assert not plain.moe_layers() and plain.state_dict().keys() == other.state_dict().keys()
+    other = tiny(n_expert=0, top_k=7, expert_hidden=5, aux_loss_coef=1.0, z_loss_coef=1.0)
+    assert not any(isinstance(mod, MoE) for m in (plain, other) for mod in m.modules())
+    assert plain.state_dict().keys() == other.state_dict().keys()
     assert model_tensors_equal(plain.state_dict(), other.state_dict())
     for m in (plain, other):
         m(X, Y)[1].backward()
     assert torch.equal(plain(X, Y)[1], other(X, Y)[1])
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), other.parameters()))
+    assert other.run(X).routes == [] and other.exit_metrics(X, Y)[2] is None  # nothing routes
 
 # ---------------------------------------------------------------- decoding
 
 
 @pytest.mark.parametrize('kw', [dict(), dict(tied_routing=True),
-                                dict(moe_where='all', n_prelude=1, n_coda=1, pos='rope', injection='add')],
-                         ids=['loop', 'tied', 'all'])
+                                dict(n_prelude=1, n_coda=1, pos='rope', injection='add')],
+                         ids=['loop', 'tied', 'prelude_coda'])
 def test_cached_decoding_equals_recompute_with_moe_blocks(kw, monkeypatch):
     # the logits of every step, past the block size too: a token routes alone, so one at a time is the same
     m = tiny(n_loop=4, **kw).eval()
     x = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(1))
-    out, cached = logits_of_each_step(monkeypatch, m, x, 24, temperature=0)
-    ref, uncached = logits_of_each_step(monkeypatch, m, x, 24, temperature=0, use_cache=False)
+    out, cached, _ = logits_of_each_step(monkeypatch, m, x, 24, temperature=0)
+    ref, uncached, _ = logits_of_each_step(monkeypatch, m, x, 24, temperature=0, use_cache=False)
     assert torch.equal(out, ref)
     for i, (a, b) in enumerate(zip(cached, uncached)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {i}")
 
 
-@pytest.mark.parametrize('kw', [dict(), dict(moe_where='all', n_prelude=1, n_coda=1, injection='concat')],
-                         ids=['loop', 'all'])
+@pytest.mark.parametrize('kw', [dict(), dict(n_prelude=1, n_coda=1, injection='concat')],
+                         ids=['loop', 'prelude_coda'])
 def test_greedy_self_speculative_decoding_equals_fixed_depth_with_moe_blocks(kw):
     m = tiny(n_loop=4, **kw).eval()
     x = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(1))
-    fixed, _ = generate(m, x, 20, temperature=0)
+    fixed, _, _ = generate(m, x, 20, temperature=0)
     for k, gamma in ((1, 3), (2, 4), (3, 2)):
-        stats = {}
-        out, _ = generate(m, x, 20, temperature=0, draft_loops=k, speculate=gamma, stats=stats)
+        out, _, stats = generate(m, x, 20, temperature=0, draft_loops=k, speculate=gamma)
         assert torch.equal(out, fixed), (k, gamma)
         assert stats['checked'] > 0
 
@@ -322,7 +358,7 @@ def test_resume_with_moe_is_bit_exact_2n_equals_n_plus_n(tmp_path):
         assert model_tensors_equal(pa, pb)
 
 
-MOE_KEYS = ('n_expert', 'top_k', 'expert_hidden', 'moe_where', 'aux_loss_coef', 'z_loss_coef', 'tied_routing')
+MOE_KEYS = ('n_expert', 'top_k', 'expert_hidden', 'aux_loss_coef', 'z_loss_coef', 'tied_routing')
 
 
 def test_a_dense_checkpoint_from_before_moe_refuses_experts_and_resumes_dense(run_dir):
@@ -406,8 +442,8 @@ DDP_HOOKS = textwrap.dedent('''
     sys.path.insert(0, os.environ['REPO'])
     import model as M
     rec, init, step = {}, M.MoE.__init__, torch.optim.AdamW.step
-    def starved(self, config, tied=False):
-        init(self, config, tied)
+    def starved(self, config):
+        init(self, config)
         self.router.register_forward_hook(lambda mod, inp, out: out - 1e4 * (torch.arange(out.size(-1)) ==
                                                                              out.size(-1) - 1))
     def first_step(self, *a, **k):

@@ -3,6 +3,7 @@ The project as a user receives it: a clone that stands alone, one recurrence, a 
 the ones CI runs, and code a reader can take in one line at a time.
 """
 import ast
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -91,3 +92,132 @@ def test_python_lines_stay_under_110_characters():
     long = [f"{p.relative_to(REPO)}:{i}" for p in python_files()
             for i, line in enumerate(p.read_text(encoding='utf-8').splitlines(), 1) if len(line) > 110]
     assert not long, long
+
+# -----------------------------------------------------------------------------
+# the README's links: a label says where its link goes
+
+LINK = re.compile(r'(!?)\[([^\]]*)\]\(([^)\s]+)\)')
+
+
+def prose_lines(text):
+    """The lines of markdown text outside ``` fences, as (line number, line)."""
+    fence, out = False, []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith('```'):
+            fence = not fence
+        elif not fence:
+            out.append((n, line))
+    return out
+
+
+def anchors(path):
+    """{anchor: heading text} of a markdown file's headings, anchors as GitHub makes them: the text without
+    markup, lower case, without punctuation, spaces as '-', '-1', '-2'... after a repeat."""
+    found = {}
+    for _, line in prose_lines(path.read_text(encoding='utf-8')):
+        m = re.match(r'^#{1,6} (.+?)\s*#*$', line)
+        if m:
+            text = re.sub(r'\[([^\]]*)\]\([^)]*\)', r'\1', m.group(1)).replace('`', '').replace('**', '')
+            slug = re.sub(r'[^\w\- ]', '', text.lower()).replace(' ', '-')
+            n = sum(1 for a in found if re.fullmatch(rf'{re.escape(slug)}(-\d+)?', a))
+            found[slug if n == 0 else f'{slug}-{n}'] = text
+    return found
+
+
+def link_problems(text, folder, name='README.md'):
+    """One message per relative link of markdown text (a file in folder) whose target or #anchor does not
+    exist, or whose label names another file or section than the one it goes to. A label names a file when
+    it is a path (`docs/papers.md`: the target as written, or from the repository's root) or a bare name
+    (blindspot, for assets/blindspot.md: the file's stem); a link to a section names it as
+    `PATH § SECTION`, SECTION the beginning of the heading the anchor goes to. Other labels (prose, images)
+    are free."""
+    out = []
+    for n, line in prose_lines(text):
+        for image, label, target in LINK.findall(line):
+            if re.match(r'^[a-z]+:', target):
+                continue  # http(s), mailto: not the repository's
+            where, (path, _, anchor) = f"{name}:{n} [{label}]({target})", target.partition('#')
+            file = (folder / path) if path else folder / name
+            if not file.exists():
+                out.append(f"{where}: {path} does not exist")
+                continue
+            heads = anchors(file) if anchor and file.suffix == '.md' else {}
+            if anchor and anchor not in heads:
+                out.append(f"{where}: {path or name} has no heading #{anchor}")
+                continue
+            label = label.replace('`', '').strip()
+            said, _, section = label.partition(' § ')
+            paths = {path, Path(os.path.relpath(file.resolve(), REPO)).as_posix()} if path else {name}
+            if image:
+                continue
+            if section or (anchor and '/' in label):
+                if said not in paths:
+                    out.append(f"{where}: the label names {said}, the link goes to {path}")
+                elif not anchor:
+                    out.append(f"{where}: the label names section '{section}', the link goes to no section")
+                elif not heads[anchor].startswith(section):
+                    out.append(f"{where}: the label names section '{section}', the link goes to "
+                               f"'{heads[anchor]}'")
+                elif not section:
+                    out.append(f"{where}: the link goes to a section: name it, '{path} § {heads[anchor]}'")
+            elif '/' in label or re.fullmatch(r'[\w.-]+\.\w+', label):
+                if label not in paths:
+                    out.append(f"{where}: the label names {label}, the link goes to {path}")
+            elif re.fullmatch(r'[\w-]+', label) and label != Path(path or name).stem:
+                out.append(f"{where}: the label names {label}, the link goes to {path} "
+                           f"(a one-word label is the file's name: {Path(path or name).stem})")
+    return out
+
+
+def test_readme_links_say_where_they_go_and_go_somewhere():
+    found = link_problems((REPO / 'README.md').read_text(encoding='utf-8'), REPO)
+    assert not found, '\n'.join(found)
+
+
+RELABELLED = {  # a careless edit of a link in the committed README: each must be caught
+    'a path label changed, its target kept': ('[docs/decoding.md](docs/decoding.md)',
+                                              '[docs/harness.md](docs/decoding.md)'),
+    'a report label changed, its target kept': ('[kappa](assets/kappa.md)', '[escape](assets/kappa.md)'),
+    'a section label changed, its anchor kept': ('[docs/results.md § Paper 2, DeepLoop]',
+                                                 '[docs/results.md § Paper 2, escape fractions]'),
+    'a section link that names no section': ('[docs/results.md § Paper 2, DeepLoop]', '[docs/results.md]'),
+    'a target that does not exist': ('(docs/decoding.md)', '(docs/decode.md)'),
+    'an anchor that names no heading': ('(docs/results.md#paper-2-deeploop)', '(docs/results.md#paper-2)'),
+}
+
+
+def test_a_relabelled_readme_link_is_caught():
+    readme = (REPO / 'README.md').read_text(encoding='utf-8')
+    for error, (old, new) in RELABELLED.items():
+        assert readme.count(old) == 1, f"README.md no longer holds {old!r} once: update '{error}'"
+        assert link_problems(readme.replace(old, new), REPO), f"{error}: not caught"
+
+
+def imports_of(path, modules):
+    """The modules of `modules` that a file imports, anywhere in it: a deferred import inside a function
+    counts as much as one at the top."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split('.')[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split('.')[0])
+    return found & modules
+
+
+def test_the_top_level_modules_import_each_other_one_way_only():
+    files = {p.stem: p for p in REPO.glob('*.py')}
+    arrows = {name: imports_of(path, set(files)) for name, path in files.items()}
+
+    def circle(start, name, path):
+        # a path of arrows from start that comes back to it, or None
+        for nxt in sorted(arrows[name]):
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = circle(start, nxt, path + [nxt])
+                if found:
+                    return found
+        return None
+    circles = [' -> '.join(c) for c in (circle(m, m, [m]) for m in sorted(arrows)) if c]
+    assert not circles, circles

@@ -24,8 +24,9 @@ import diagnostics
 import eval_depth
 from configurator import check_model
 from engine import generate
-from exits import ExitScorer, score_threshold
-from model import GPT, GPTConfig, exit_distribution, flops_per_token
+from exits import score_at_exit, score_threshold
+from accounting import flops_per_token
+from model import GPT, GPTConfig, exit_distribution
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'golden_metrics.json')
 
@@ -67,7 +68,7 @@ def test_the_prelude_runs_once_and_the_coda_at_every_exit():
     assert calls == {'prelude': 1, 'coda': 3, 'shared': 2 * 3}
     # exit k reads z_k = Norm_out(coda(h_k)): the coda sits before the readout norm
     h = torch.randn(2, T, 16)
-    expect = m.lm_head(m.transformer.ln_out(m.transformer.coda[0](h, m.rope(0, T))))
+    expect = m.lm_head(m.transformer.ln_out(m.transformer.coda[0](h, m.rope(0, T))[0]))
     torch.testing.assert_close(m.readout(h, 2), expect)
 
 
@@ -89,17 +90,17 @@ def test_concat_injection_starts_as_the_identity_and_add_injection_adds_the_prel
     plain, cat = tiny(n_prelude=1), tiny(n_prelude=1, injection='concat')
     cat.load_state_dict(plain.state_dict(), strict=False)  # the same weights, and W = [I 0] of its own
     assert torch.equal(cat.transformer.adapter.weight, torch.cat([torch.eye(16), torch.zeros(16, 16)], 1))
-    for a, b in zip(plain.states(X), cat.states(X)):
+    for a, b in zip(plain.run(X).states, cat.run(X).states):
         torch.testing.assert_close(a, b)
     # add: the state entering loop k+1 is ln_loop(h_k) + e, with e the prelude output
     m = tiny(n_prelude=1, injection='add', inter_loop_norm='rmsnorm')
-    e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))
+    e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))[0]
     seen = []
-    x = m.prelude(X)
-    states = m.loops(x, x, range(1, 4))
+    x = m.prelude(m.embed(X))
+    states = m.loops(x, x, range(1, 4)).states
     for h, h_next in zip(states, states[1:]):  # loop k+1 starts from ln_loop(h_k) + e
         block_in = m.transformer.ln_loop(h) + e
-        torch.testing.assert_close(h_next, m.loops(block_in, e, [1])[0])
+        torch.testing.assert_close(h_next, m.loops(block_in, e, [1]).states[0])
 
 
 # -----------------------------------------------------------------------------
@@ -151,8 +152,9 @@ def test_the_gate_loss_is_the_expected_exit_ce_minus_the_entropy_bonus():
     X, Y = batch()
     m = tiny(n_loop=3, exit_gate='learned', exit_entropy=0.1)
     Y[0, :3] = -1  # ignored positions count in neither term
-    states = m.states(X)
-    loss = m.loss(states, Y)
+    out = m.run(X)
+    states = out.states
+    loss = m.loss(out, Y)
     zs = [m.transformer.ln_out(h) for h in states]
     ce = torch.stack([F.cross_entropy(m.lm_head(z).view(-1, V), Y.view(-1), ignore_index=-1, reduction='none')
                       for z in zs])                                                      # (R, B*T)
@@ -172,12 +174,12 @@ def test_kl_exit_never_stops_at_the_first_loop_and_gate_exit_follows_the_cumulat
     m = tiny(n_loop=4, exit_gate='learned').eval()
     prompt = batch(B=2)[0][:, :4]
     # KL <= a huge bound holds from exit 2 on; there is no KL at exit 1
-    _, used = generate(m, prompt, 5, temperature=0, exit_threshold=1e9, exit_policy='kl')
+    _, used, _ = generate(m, prompt, 5, temperature=0, exit_threshold=1e9, exit_policy='kl')
     assert used[:, 1:].eq(2).all()
     # a cumulative exit probability >= 0 holds at once; >= 1 is reached only by the last exit
-    _, used = generate(m, prompt, 5, temperature=0, exit_threshold=0.0, exit_policy='gate')
+    _, used, _ = generate(m, prompt, 5, temperature=0, exit_threshold=0.0, exit_policy='gate')
     assert used[:, 1:].eq(1).all()
-    _, used = generate(m, prompt, 5, temperature=0, exit_threshold=1.0, exit_policy='gate')
+    _, used, _ = generate(m, prompt, 5, temperature=0, exit_threshold=1.0, exit_policy='gate')
     assert used.eq(4).all()
     with pytest.raises(ValueError, match=r"exit_threshold=1.5 is outside \[0, 1\].*'gate'"):
         score_threshold('gate', 1.5)
@@ -189,7 +191,7 @@ def test_cached_decoding_equals_uncached_with_prelude_coda_and_injection():
     with torch.no_grad():
         m.transformer.adapter.weight.add_(0.3 * torch.randn_like(m.transformer.adapter.weight))
     prompt = batch(B=2)[0][:, :5]
-    cached, _ = generate(m, prompt, 20, temperature=0)
+    cached, _, _ = generate(m, prompt, 20, temperature=0)
     assert torch.equal(cached, generate(m, prompt, 20, temperature=0, use_cache=False)[0])
 
 
@@ -198,13 +200,13 @@ def test_adaptive_decoding_with_a_coda_equals_decoding_each_row_alone():
     m = tiny(n_loop=4, n_coda=1, injection='add', readout='raw').eval()
     prompts = torch.randint(0, V, (6, 4), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        scores = torch.stack([ExitScorer(m, 'margin')(None, m.readout(h, k)[:, -1]) for k, h in
-                              enumerate(m.states(prompts), 1)])
+        scores = torch.stack([score_at_exit(m, 'margin', None, m.readout(h, k)[:, -1])[0] for k, h in
+                              enumerate(m.run(prompts).states, 1)])
     t = float(scores[:3].median())
-    together, used = generate(m, prompts, 6, temperature=0, exit_threshold=t, exit_policy='margin')
+    together, used, _ = generate(m, prompts, 6, temperature=0, exit_threshold=t, exit_policy='margin')
     assert len(set(used[:, 1:].flatten().tolist())) > 1  # the rows really do exit at different loops
     for i in range(prompts.size(0)):
-        alone, alone_used = generate(m, prompts[i:i + 1], 6, temperature=0, exit_threshold=t,
+        alone, alone_used, _ = generate(m, prompts[i:i + 1], 6, temperature=0, exit_threshold=t,
                                      exit_policy='margin')
         assert torch.equal(alone, together[i:i + 1]) and torch.equal(alone_used, used[i:i + 1])
 
@@ -311,16 +313,24 @@ def test_eval_depth_reports_kl_and_gate_halting_and_exits_past_training():
 def exit_logps(m, X):
     # log p_k of every exit k = 1..R, each from its own readout (B, T, V)
     with torch.no_grad():
-        return [m.readout(h, k).float().log_softmax(-1) for k, h in enumerate(m.states(X), start=1)]
+        return [m.readout(h, k).float().log_softmax(-1) for k, h in enumerate(m.run(X).states, start=1)]
+
+
+def scores_over_exits(m, policy, exits):
+    """score_at_exit at exits 1, 2, ... of (z_k, logits_k) pairs, each passing on what the next needs."""
+    got, prev = [], None
+    for z, logits in exits:
+        score, prev = score_at_exit(m, policy, z, logits, prev)
+        got.append(score)
+    return got
 
 
 def test_kl_exit_score_is_minus_kl_between_successive_exits():
     m = tiny(n_loop=4).eval()
     X, _ = batch(B=2)
     logps = exit_logps(m, X)
-    score = ExitScorer(m, 'kl')
     with torch.no_grad():
-        got = [score(None, m.readout(h, k)) for k, h in enumerate(m.states(X), start=1)]
+        got = scores_over_exits(m, 'kl', [(None, m.readout(h, k)) for k, h in enumerate(m.run(X).states, 1)])
     assert bool(torch.isneginf(got[0]).all())  # exit 1 has no previous exit
     for k in range(1, 4):
         p_prev, lp_prev, lp = logps[k - 1].exp(), logps[k - 1], logps[k]
@@ -335,10 +345,9 @@ def test_gate_exit_score_is_the_cumulative_sum_of_the_exit_distribution():
         m.exit_gate.bias.fill_(-0.5)  # lambda near 0.4: far from 0 and 1, so stay*lam and stay*(1-lam) differ
     X, _ = batch(B=2)
     with torch.no_grad():
-        zs = [m.head_input(h, k) for k, h in enumerate(m.states(X), start=1)]
+        zs = [m.coda_readout(h, k) for k, h in enumerate(m.run(X).states, start=1)]
         lam = torch.stack([torch.sigmoid(m.exit_gate(z).float()).squeeze(-1) for z in zs])  # (R, B, T)
-        score = ExitScorer(m, 'gate')
-        got = [score(z, m.lm_head(z)) for z in zs]
+        got = scores_over_exits(m, 'gate', [(z, m.lm_head(z)) for z in zs])
     p, total = [], torch.zeros_like(lam[0])
     for k in range(4):  # p(k) = lambda_k prod_{j<k} (1 - lambda_j), by hand; the score is sum_{j<=k} p(j)
         stay = torch.ones_like(lam[0])
@@ -384,8 +393,8 @@ def test_concat_adapter_reads_the_state_and_the_prelude_output():
     seen = []
     m.transformer.adapter.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
     with torch.no_grad():
-        e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))
-        states = m.states(X)
+        e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))[0]
+        states = m.run(X).states
     assert len(seen) == 2
     for k, x in enumerate(seen):
         torch.testing.assert_close(x, torch.cat([m.transformer.ln_loop(states[k]), e], -1))
@@ -396,7 +405,7 @@ def test_concat_adapter_reads_the_state_and_the_prelude_output():
             if k:
                 x = m.transformer.adapter(torch.cat([m.transformer.ln_loop(x), e], -1))
             for block in m.transformer.h:
-                x = block(x, m.rope(0, T))
+                x, _ = block(x, m.rope(0, T))
             torch.testing.assert_close(states[k], x)
 
 

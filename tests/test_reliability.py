@@ -247,7 +247,7 @@ def poison_loops(monkeypatch, bad_call):
     the same batch, still in training mode) sees it too, so it can name the exits that went bad."""
     import model as M
     state = {'n': 0, 'armed': False}
-    forward, states = M.GPT.forward, M.GPT.states
+    forward, run = M.GPT.forward, M.GPT.run
 
     def poisoned_forward(self, idx, targets=None, n_loop=None):
         if self.training and targets is not None:
@@ -255,13 +255,13 @@ def poison_loops(monkeypatch, bad_call):
             state['armed'] = bad_call(state['n'])
         return forward(self, idx, targets, n_loop)
 
-    def poisoned_states(self, idx, n_loop=None):
-        hs = states(self, idx, n_loop)
+    def poisoned_run(self, idx, n_loop=None):
+        out = run(self, idx, n_loop)
         if self.training and state['armed']:
-            hs = hs[:1] + [h * float('nan') for h in hs[1:]]
-        return hs
+            out = out._replace(states=out.states[:1] + [h * float('nan') for h in out.states[1:]])
+        return out
     monkeypatch.setattr(M.GPT, 'forward', poisoned_forward)
-    monkeypatch.setattr(M.GPT, 'states', poisoned_states)
+    monkeypatch.setattr(M.GPT, 'run', poisoned_run)
 
 
 def test_nonfinite_loss_skips_the_update_names_the_exits_and_training_recovers(tmp_path, monkeypatch):
@@ -328,9 +328,15 @@ def write_file(path, data):
     with open(path, 'wb') as f:
         f.write(data)
 
+ABSENT_DEVICE = 'mps' if torch.cuda.is_available() else 'cuda'  # no machine has both
+
 ERROR_ROWS = {
     # name: (setup(root) or None, args, fragments of the one-line message)
     'unknown_key': (None, ['--n_layers=3'], ["unknown config key 'n_layers'", 'did you mean n_layer?']),
+    'unknown_key_near_nothing': (None, ['--xyzzy=3'],
+                                 ["unknown config key 'xyzzy'", 'see python train.py --help']),
+    'device_not_here': (None, [f'--device={ABSENT_DEVICE}'],
+                        [f'--device={ABSENT_DEVICE}', 'not available on this machine']),
     'unknown_key_in_file': (lambda r: write_file(r / 'arm.py', b"readuot = 'raw'\n"), ['arm.py'],
                             ['arm.py', "'readuot'", 'did you mean readout?']),
     'wrong_type_int': (None, ['--n_layer=two'], ["n_layer='two'", 'expected int']),
@@ -477,10 +483,10 @@ DDP_HOOKS = textwrap.dedent('''
             rec['train'].append((idx.clone(), targets.clone()))
         return forward(self, idx, targets, n_loop)
     def rec_exit_metrics(self, idx, targets, n_loop=None):
-        ce, norms = exit_metrics(self, idx, targets, n_loop)
+        ce, norms, router = exit_metrics(self, idx, targets, n_loop)
         if not self.training:
             rec['eval'].append((ce.clone(), norms.clone()))
-        return ce, norms
+        return ce, norms, router
     def rec_init(self, *a, **k):
         init(self, *a, **k)
         rec['models'].append(self)

@@ -153,12 +153,17 @@ def moe_ckpt(tmp_path, tiny_data, **kw):
     return tmp_path / 'moe'
 
 
+def res_summary_is_stored(out):
+    return json.loads((out / 'routing.json').read_text())['summary'][0].startswith('summary:')
+
+
 def test_cli_prints_per_layer_pair_tables_and_writes_json(tmp_path, tiny_data, capsys):
     out = moe_ckpt(tmp_path, tiny_data)
     rt.main([str(out), '--data_dir', str(tiny_data), '--device=cpu', '--batches=2', '--batch_size=4'])
     text = capsys.readouterr().out
     assert 'layer h[0]' in text and 'layer h[1]' in text
     assert 'distinct experts' in text and 'load max/mean' in text
+    assert 'summary: the loops route' in text and res_summary_is_stored(out)
     res = json.loads((out / 'routing.json').read_text())
     assert res['n_expert'] == E and res['top_k'] == k and len(res['layers']) == 2
     for L in res['layers']:
@@ -177,3 +182,26 @@ def test_cli_finds_tied_routing_identical_on_every_loop(tmp_path, tiny_data, cap
         assert p['overlap'][-1] == 1.0 and p['jaccard'] == 1.0
         assert p['js_bits'] == pytest.approx(0.0, abs=1e-9)
         assert p['kappa'] is None or p['kappa'] == pytest.approx(1.0)
+
+
+def summarised(routes):
+    return rt.summary(json.loads(json.dumps(rt.divergence(routes, E, k))))
+
+
+def test_the_summary_says_alike_apart_or_chance_by_mean_kappa():
+    N, a = 2000, uniform_routes(2000, 1)
+    alike = summarised({(0, 1): a, (0, 2): a})
+    apart = summarised({(0, 1): a, (0, 2): (a + E // 2) % E})  # loop 2 never shares an expert
+    chance = summarised({(0, 1): a, (0, 2): uniform_routes(N, 2)})
+    assert alike[0].startswith('summary: the loops route alike') and 'kappa +1.000' in alike[0]
+    assert apart[0].startswith('summary: the loops route apart')
+    assert chance[0].startswith('summary: the loops route as chance would')
+    assert len(alike) == len(apart) == len(chance) == 1  # uniform load: no warning
+
+
+def test_a_collapsed_layer_is_flagged_since_its_kappas_mean_little():
+    N = 500
+    stuck = torch.tensor([[0, 1]]).expand(N, k)  # every token on experts 0 and 1: load max/mean E/k
+    lines = summarised({(0, 1): uniform_routes(N, 1), (0, 2): uniform_routes(N, 2),
+                        (1, 1): stuck, (1, 2): stuck})
+    assert len(lines) == 2 and lines[1].startswith('warning: layer h[1] has collapsed onto about 2 experts')

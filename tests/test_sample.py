@@ -83,7 +83,7 @@ def greedy_by_hand(model, ids, n_new, n_loop):
     x = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n_new):
-            h = model.states(x[:, -model.config.block_size:], n_loop)[-1]
+            h = model.run(x[:, -model.config.block_size:], n_loop).states[-1]
             x = torch.cat((x, model.readout(h[:, -1:], n_loop).argmax(-1)), dim=1)
     return x[0].tolist()
 
@@ -201,6 +201,21 @@ def test_cli_errors_have_no_traceback(tmp_path, tiny_ckpt, repo_dir):
         assert r.returncode != 0 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize('flag', ['--help', '-h'])
+def test_help_lists_every_flag_with_its_default_and_comment(flag, tmp_path, repo_dir):
+    # no checkpoint here: --help answers before anything is loaded
+    r = subprocess.run([sys.executable, str(repo_dir / 'sample.py'), flag], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and 'error' not in r.stderr, r.stderr
+    assert r.stdout.startswith('usage: python sample.py ')
+    lines = {line.split(' = ')[0].strip(): line for line in r.stdout.splitlines()
+             if line.startswith('  ') and not line.lstrip().startswith('#')}  # the key lines
+    assert sorted(lines) == sorted(sample.defaults)  # sample.py's flags, and not the model's keys
+    assert lines['exit_threshold'].split('#')[0].strip() == 'exit_threshold = -1.0'
+    assert '# adaptive exit at the first loop whose score reaches this (-1 = off)' in lines['exit_threshold']
+    assert '# what an exit leaves in skipped slots: recompute | copy | shared | active' in lines['kv_policy']
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(blob=st.binary(max_size=2048))
 def test_random_bytes_as_checkpoint_give_a_clean_error(tmp_path, blob):
@@ -254,7 +269,7 @@ def test_exit_policy_gate_and_kl_sample_end_to_end_with_the_loops_their_scores_p
     code, out, err = run_main(base + ['--exit_policy=kl', '--exit_threshold=0.01', '--start=ROMEO:'])
     x = torch.tensor([[meta['itos'].index(c) for c in 'ROMEO:']])
     import engine
-    y, _ = engine.generate(model, x, 12, temperature=0, exit_threshold=0.01, exit_policy='kl')
+    y, _, _ = engine.generate(model, x, 12, temperature=0, exit_threshold=0.01, exit_policy='kl')
     assert out.count(''.join(meta['itos'][i] for i in y[0].tolist()) + '\n---------------\n') == 2
 
 

@@ -208,6 +208,31 @@ def test_override_values_are_typed_like_their_defaults():
     assert c['depth_scaling'] == 'deeploop'
 
 
+def help_line(out, key):
+    """The line of --help's output that lists key."""
+    return next(line for line in out.splitlines() if line.startswith(f'  {key} = '))
+
+
+@pytest.mark.parametrize('flag', ['--help', '-h'])
+def test_help_lists_every_key_with_its_default_and_comment_grouped_as_in_the_files(flag, tmp_path):
+    r = run_cli([flag], tmp_path)  # a folder without data: --help exits before any data or model work
+    assert r.returncode == 0 and 'error' not in r.stderr, r.stderr
+    out = r.stdout
+    assert out.startswith('usage: python train.py ') and os.listdir(tmp_path) == []
+    assert [k for k in train_defaults() if f'\n  {k} = ' not in out] == []  # train.py's and GPTConfig's
+    assert help_line(out, 'learning_rate').split('#')[0].strip() == 'learning_rate = 1e-3'
+    assert '# max learning rate' in help_line(out, 'learning_rate')
+    assert '# R: rounds through that stack' in help_line(out, 'n_loop')
+    assert '# before the LM head: rmsnorm | layernorm | raw | final_only' in help_line(out, 'readout')
+    # the groups of the files, in their order: train.py's comment headers, then GPTConfig's sections
+    at = lambda text: out.index(text)
+    assert at('# AdamW optimizer') < at('  learning_rate = ') < at('# system') < at('  dtype = ') \
+        < at("the model's keys") < at('  n_loop = ') < at('# §1 the readout blind spot') < at('  readout = ')
+    # a comment that goes on over a second line stays with its key
+    lines = out.splitlines()
+    assert 'else fp16 on CUDA' in lines[lines.index(help_line(out, 'dtype')) + 1]
+
+
 def test_lr_schedules_constant_and_warmup_cosine(tmp_path):
     write_data(tmp_path)
     code, out, err = run_train([*TINY, '--max_iters=6', '--eval_interval=1', '--out_dir=c',
