@@ -325,6 +325,16 @@ AT_LEAST_ONE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'e
 NON_NEGATIVE = ('max_iters', 'warmup_iters', 'learning_rate', 'min_lr', 'weight_decay', 'grad_clip')
 
 
+def check_flags(config, at_least, choices):
+    """A script's own flags (sample.py's): each at least its least value, or one of its choices."""
+    for key, low in at_least.items():
+        if config[key] < low:
+            die(f"--{key}={config[key]}: must be >= {low}")
+    for key, allowed in choices.items():
+        if config[key] not in allowed:
+            die(f"--{key}={config[key]!r}: choose one of {', '.join(allowed)}")
+
+
 def check(config):
     """Ranges and choices of train.py's keys, then check_model's. Returns the GPTConfig."""
     c = config

@@ -54,22 +54,27 @@ class Slot:
         # the same tensors through other rows: a write through the view lands in this slot
         return Slot(self.k, self.v, self.reach, rows)
 
-    def update(self, k, v, pos):
-        # write k, v (B', nh, T, hs) at positions pos..pos+T-1 and return the history 0..pos+T-1
+    def write(self, k, v, pos):
+        # k, v (B', nh, T, hs) at positions pos..pos+T-1, in the cache's dtype (AMP computes in bf16)
         T, r = k.size(2), self.rows
-        self.k[r, :, pos:pos + T], self.v[r, :, pos:pos + T] = k, v
+        self.k[r, :, pos:pos + T], self.v[r, :, pos:pos + T] = k.to(self.k.dtype), v.to(self.v.dtype)
+
+    def update(self, k, v, pos):
+        # write k, v and return the history 0..pos+T-1 (and no key mask: every row has it all)
+        T, r = k.size(2), self.rows
+        self.write(k, v, pos)
         if self.reach is None:
-            return self.k[r, :, :pos + T], self.v[r, :, :pos + T]
+            return self.k[r, :, :pos + T], self.v[r, :, :pos + T], None
         # 'active': hand attention only the positions that reached this visit. That is a key mask
         # without one in the model, but it must be the same for every row in the step: exits.py
         # runs rows whose earlier tokens exited at other loops one at a time
         self.reach[r, pos:pos + T] = True
         seen = self.reach[r, :pos + T]
         if bool(seen.all()):
-            return self.k[r, :, :pos + T], self.v[r, :, :pos + T]
+            return self.k[r, :, :pos + T], self.v[r, :, :pos + T], None
         assert bool((seen == seen[:1]).all()), "'active' rows with other histories go one at a time"
         cols = seen[0].nonzero().squeeze(1)
-        return self.k[r][:, :, cols], self.v[r][:, :, cols]
+        return self.k[r][:, :, cols], self.v[r][:, :, cols], None
 
     def copy_from(self, other, pos):
         # another visit's keys and values at position pos, for these rows: a skipped visit (exits.py)
@@ -93,11 +98,14 @@ class KVCache:
         shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         zeros = lambda *size, dtype=dtype: torch.zeros(size, device=device, dtype=dtype)
 
-        def slots(n, reach=False):
-            return [Slot(zeros(*shape), zeros(*shape), zeros(B, cfg.block_size, dtype=torch.bool) if reach
-                         else None) for _ in range(n)]
-        self.slots = dict(prelude=slots(cfg.n_prelude), loop=slots(n * cfg.n_layer, policy == 'active'),
-                          coda=slots(cfg.n_coda))
+        untied = lambda n: [Slot(zeros(*shape), zeros(*shape)) for _ in range(n)]
+        # the loop's slots are views of one tensor each for keys and values, (n, K, B, nh, T, hs): rows
+        # that stand at other loops gather from it in one index (batching.py)
+        self.loop_k, self.loop_v = zeros(n, cfg.n_layer, *shape), zeros(n, cfg.n_layer, *shape)
+        reach = lambda: zeros(B, cfg.block_size, dtype=torch.bool) if policy == 'active' else None
+        loop = [Slot(self.loop_k[s, j], self.loop_v[s, j], reach())
+                for s in range(n) for j in range(cfg.n_layer)]
+        self.slots = dict(prelude=untied(cfg.n_prelude), loop=loop, coda=untied(cfg.n_coda))
         self.K, self.n, self.policy, self.rows = cfg.n_layer, n, policy, None
 
     def slot(self, part, j, k=1):
@@ -118,13 +126,15 @@ class KVCache:
 # fixed-depth decoding
 
 @torch.no_grad()
-def decode_step(model, idx, cache, pos, R):
+def decode_step(model, idx, cache, pos, R, last=None):
     """Tokens idx (B, T) at positions pos..pos+T-1 through the prelude, loops 1..R and the coda, every row,
-    writing their slots: the last position's logits at exit R (B, V). The prompt is one such step at
-    pos 0 (the prefill), each new token one more at its position."""
+    writing their slots: the last position's logits at exit R (B, V), or each row's at its index in last
+    (B,) (rows padded past their own tokens, batching.py). The prompt is one such step at pos 0 (the
+    prefill), each new token one more at its position."""
     e = model.prelude(model.embed(idx, pos), cache, pos)
     h = model.loops(e, e, range(1, R + 1), cache, pos).states[-1]
-    z = model.coda_readout(h, R, cache, pos)[:, -1]  # the coda sees every position: it writes their slots
+    z = model.coda_readout(h, R, cache, pos)  # the coda sees every position: it writes their slots
+    z = z[:, -1] if last is None else z[torch.arange(z.size(0), device=z.device), last]
     return model.lm_head(z).float()
 
 # -----------------------------------------------------------------------------

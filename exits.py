@@ -77,11 +77,12 @@ def score_at_exit(model, policy, z, logits, prev=None):
 def fill_skipped(model, cache, h, e, k, R, pos):
     """Rows that exit at loop k with state h (B', T, C) and prelude output e (cache: the cache seen
     through those rows) skip loops k+1..R: fill those visits' slots at pos as cache.policy says."""
-    skipped = [(k2, j) for k2 in range(k + 1, R + 1) for j in range(cache.K)]
     if cache.policy == 'recompute':
         x, rope = model.carry(h, e), model.rope(pos, h.size(1))  # what loop k+1 would read
-        for k2, j in skipped:
-            cache.slot('loop', j, k2).update(*model.transformer.h[j].keys_values(x, rope), pos)
+        for j, block in enumerate(model.transformer.h):
+            _, keys, values = block.attn.qkv(block.ln_1(x), rope)  # the same in every skipped loop
+            for k2 in range(k + 1, R + 1):
+                cache.slot('loop', j, k2).write(keys, values, pos)
     elif cache.policy in ('copy', 'shared'):
         # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
         last = R if cache.policy == 'copy' else min(R, cache.n)
@@ -89,8 +90,9 @@ def fill_skipped(model, cache, h, e, k, R, pos):
             for j in range(cache.K):
                 cache.slot('loop', j, k2).copy_from(cache.slot('loop', j, k), pos)
     else:  # active: loops k+1..R's attention will not see this position
-        for k2, j in skipped:
-            cache.slot('loop', j, k2).hide(pos)
+        for k2 in range(k + 1, R + 1):
+            for j in range(cache.K):
+                cache.slot('loop', j, k2).hide(pos)
 
 
 @torch.no_grad()

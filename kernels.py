@@ -18,11 +18,16 @@ from torch.utils.checkpoint import checkpoint
 from hardware import attention_path
 
 
-def attention(q, k, v, causal, impl='auto', dropout_p=0.0):
+def attention(q, k, v, causal, impl='auto', dropout_p=0.0, keep=None):
     """softmax(q k^T / sqrt(hs) + mask) v, q (B, nh, Tq, hs), k and v (B, nh, Tk, hs).
     Three paths give one result: 'sdpa' (flash where available), 'math' (its reference kernel)
     and 'explicit'; 'auto' takes the fastest here (hardware.py). causal: query i is position
-    Tk - Tq + i and sees keys 0..Tk - Tq + i (the queries are the last Tq of the keys)."""
+    Tk - Tq + i and sees keys 0..Tk - Tq + i (the queries are the last Tq of the keys). keep
+    (B, 1, 1, Tk) bool, for one query a row (Tq = 1): the keys each row sees (rows that stand at
+    their own positions, batching.py)."""
+    if keep is not None:
+        assert q.size(2) == 1, "a key mask per row is for one query a row"
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     impl = attention_path(impl, q.device.type, q.dtype, k.size(-2))
     B, nh, Tq, hs = q.shape
     Tk = k.size(-2)

@@ -11,9 +11,8 @@ the readout blind spot (§1), DeepLoop's depth-scaled post-norm blocks (§2), lo
 Looped-MoE's experts (§5).
 
 Where to look: the loop is GPT.loops, the readout GPT.readout_norm, the loss GPT.loss, the scaling
-rule GPTConfig.alpha and GPTConfig.beta. The speed kernels (attention, the chunked cross-entropy,
-the experts' grouped matmul) are in kernels.py; decoding (KV cache, early exits) is in engine.py and
-exits.py.
+rule GPTConfig.alpha and GPTConfig.beta. The speed kernels are in kernels.py; decoding (KV cache,
+early exits, many prompts at once) in engine.py, exits.py and batching.py.
 """
 
 import inspect
@@ -152,13 +151,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, kv=None, pos=0):
         B, T, C = x.size()
         q, k, v = self.qkv(x, rope)
-        if kv is not None:
-            # decoding (engine.py): the new keys and values join this visit's cache slot, and the
-            # T new tokens (a prompt at 0, or drafts to verify at pos > 0) see positions 0..pos+T-1
-            k, v = kv.update(k, v, pos)
+        # decoding (engine.py): the new keys and values join this visit's cache slot, and the T new
+        # tokens (a prompt at 0, or drafts to verify at pos > 0) see positions 0..pos+T-1; rows at their
+        # own positions (batching.py) also get a mask of the keys each one has
+        k, v, mask = kv.update(k, v, pos) if kv is not None else (k, v, None)
         # softmax(q k^T / sqrt(hs) + causal mask) v; the T queries are the last T of the keys
         dropout = self.attn_dropout if self.training else 0.0
-        y = kernels.attention(q, k, v, T > 1, self.attn_impl, dropout)
+        y = kernels.attention(q, k, v, T > 1, self.attn_impl, dropout, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.c_proj(y)
 
@@ -177,7 +176,6 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.mlp == 'swiglu'
         hidden = 4 * config.n_embd
-        # swiglu: c_fc holds the gate and the up projection side by side
         self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
@@ -258,11 +256,6 @@ class Block(nn.Module):
         u = self.ln_2(x)
         y, route = self.mlp(u, tied) if isinstance(self.mlp, MoE) else (self.mlp(u), None)
         return self.pn_2(self.residual(x, y)), route
-
-    def keys_values(self, x, rope=None):
-        # the keys and values this block's attention computes from x (B, T, C): what a cache holds
-        _, k, v = self.attn.qkv(self.ln_1(x), rope)
-        return k, v
 
     def residual(self, x, fx):
         # alpha * x + eps * f(x). A factor of 1 is left out: exact, and in eager mode on a CPU it
@@ -361,19 +354,29 @@ class GPT(nn.Module):
         return n_params
 
     # ---- the loop ----
+    def positions(self, pos, T):
+        # pos..pos+T-1: (T,), or (B, T) when pos (B,) holds each row's own start (batching.py)
+        rows = torch.is_tensor(pos)
+        n = (int(pos.max()) if rows else pos) + T
+        assert n <= self.config.block_size, f"cannot forward a sequence of length {n}, block size is only " \
+            f"{self.config.block_size}"
+        return torch.arange(T, device=self.lm_head.weight.device) + (pos[:, None] if rows else pos)
+
     def embed(self, idx, pos=0):
-        B, T = idx.size()
-        assert pos + T <= self.config.block_size, \
-            f"cannot forward a sequence of length {pos + T}, block size is only {self.config.block_size}"
+        t = self.positions(pos, idx.size(1))
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.pos == 'learned':
-            x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
+            x = x + self.transformer.wpe(t)
         return self.transformer.ln_emb(self.transformer.drop(x))
 
     def rope(self, pos, T):
+        # cos, sin at positions pos..pos+T-1: (T, hs/2), or (B, 1, T, hs/2) for rows at their own
         if self.config.pos != 'rope':
             return None
-        return self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+        if not torch.is_tensor(pos):
+            return self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+        t = self.positions(pos, T)
+        return self.rope_cos[t][:, None], self.rope_sin[t][:, None]
 
     def untied(self, part, x, cache=None, pos=0):
         # the prelude or the coda (§4): dense blocks of their own, run once per pass, each with a slot

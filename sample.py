@@ -6,6 +6,7 @@ Sample from a trained looped GPT, as nanoGPT's sample.py does. Flags are --key=v
     python sample.py --out_dir=out-huginn --exit_policy=kl --exit_threshold=5e-4 --n_loop=16  # KL exit
     python sample.py --out_dir=out-ouro --exit_policy=gate --exit_threshold=0.5  # Ouro's learned gate
     python sample.py --out_dir=out --draft_loops=1 --speculate=4 --start=FILE:prompt.txt  # self-speculative
+    python sample.py --out_dir=out --prompts=prompts.txt --batch_size=8 --exit_threshold=0.9  # depth batching
 """
 import os
 import sys
@@ -17,6 +18,7 @@ import torch
 
 import checkpoint
 import configurator
+from batching import refusal, serve
 from engine import conflicts, generate
 from errors import die
 from exits import EXIT_POLICIES, KV_POLICIES
@@ -39,34 +41,28 @@ kv_slots = 0                 # kv_policy=shared: the cache slots per layer (1..R
 draft_loops = 0              # self-speculative decoding: draft with this many loops (0 = off)
 speculate = 4                # with draft_loops: tokens per draft
 meta = ''                    # a meta.json (or its folder); '' = data/<dataset>/meta.json, else the ckpt's
+prompts = ''                 # a file of prompts, one a line (blank lines skipped), each decoded once
+batch_size = 1               # rows in flight (continuous depth batching, batching.py); 1 = one at a time
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, str))]
 defaults = {k: globals()[k] for k in config_keys}  # main() starts every call from these
-
-
-def check():
-    """The flags' own ranges and choices, before the (slow) checkpoint load: one line naming the flag.
-    What the flags ask of each other and of the model is engine.conflicts'."""
-    for key, low in dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=0, kv_slots=0,
-                         draft_loops=0, speculate=1).items():
-        if globals()[key] < low:
-            die(f"--{key}={globals()[key]}: must be >= {low}")
-    for key, allowed in (('exit_policy', EXIT_POLICIES), ('kv_policy', KV_POLICIES)):
-        if globals()[key] not in allowed:
-            die(f"--{key}={globals()[key]!r}: choose one of {', '.join(allowed)}")
 
 
 def main(argv=None):
     config, explicit = configurator.configure(defaults, sys.argv[1:] if argv is None else argv, __file__)
     globals().update(config)  # the flags, as nanoGPT's configurator sets them
-    check()
-    try:  # the prompt before the (slow) checkpoint load: a typo in its path fails at once
-        prompt = open(start[5:], encoding='utf-8').read() if start.startswith('FILE:') else start
+    configurator.check_flags(config, dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=0,
+                                          kv_slots=0, draft_loops=0, speculate=1, batch_size=1),
+                             dict(exit_policy=EXIT_POLICIES, kv_policy=KV_POLICIES))  # before the slow load
+    if prompts and {'start', 'num_samples'} & explicit:
+        die("--prompts decodes each line of its file once: drop --start and --num_samples")
+    flag = 'prompts' if prompts else 'start'
+    path = prompts or (start[5:] if start.startswith('FILE:') else '')
+    try:  # the prompts before the (slow) checkpoint load: a typo in a path fails at once
+        text = open(path, encoding='utf-8').read() if path else start
     except (OSError, UnicodeDecodeError) as e:
-        die(f"--start {start}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
+        die(f"--{flag} {prompts or start}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
     dev, device_type = pick_device(device)
-    torch.manual_seed(seed)
-    if device_type == 'cuda':
-        torch.cuda.manual_seed(seed)
+    torch.manual_seed(seed)  # every device's generator
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     ptdtype = torch.bfloat16 if device_type == 'cuda' and torch.cuda.is_bf16_supported() else torch.float16
     ctx = torch.autocast(device_type=device_type, dtype=ptdtype) if device_type == 'cuda' else nullcontext()
@@ -74,44 +70,57 @@ def main(argv=None):
     ckpt = checkpoint.load(ckpt_path)  # on the CPU: the weights go to the device with the model
     encode, decode = get_tokenizer(checkpoint_meta(meta, ckpt, ckpt_path))
     try:
-        ids = encode(prompt) or die("--start: the prompt is empty (give some text, e.g. --start='\\n')")
+        rows = [encode(t) for t in text.splitlines() if t] if prompts else [encode(text)] * num_samples
     except ValueError as e:
-        die(f"--start: {e}")
+        die(f"--{flag}: {e}")
+    if not all(rows):
+        die(f"--{flag}: the prompt is empty (give some text, e.g. --start='\\n')")
     model = checkpoint.build_model(ckpt).eval().to(dev)  # the optimizer state is not needed to sample
     R, adaptive = n_loop or model.config.n_loop, exit_threshold != -1
     why = conflicts(model.config, R, exit_threshold if adaptive else None, exit_policy, kv_policy, kv_slots,
                     draft_loops, speculate if 'speculate' in explicit else None)
-    if why:
+    if why or batch_size > 1 and (why := refusal(model.config, kv_policy, draft_loops)):
         die(why)
-    mode = (f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" if adaptive else
-            f"fixed exit at loop {R}")
+    mode = f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" if adaptive else \
+        f"fixed exit at loop {R}"
     if draft_loops:
         mode += f", self-speculative (drafts of {speculate} tokens from loop {draft_loops})"
     if kv_policy != 'recompute':
         mode += f", kv_policy={kv_policy}" + (f" ({kv_slots} slots)" if kv_slots else "")
-    print(f"sampling {num_samples} x {max_new_tokens} tokens, {mode}, trained with "
+    if batch_size > 1:
+        mode += f", {batch_size} rows in flight"
+    print(f"sampling {len(rows)} x {max_new_tokens} tokens, {mode}, trained with "
           f"n_loop={model.config.n_loop}, {dev}")
-    used, stats, seconds = [], Counter(), 0.0
+    t0 = time.time()
     with torch.no_grad(), ctx:
-        for _ in range(num_samples):
-            t0 = time.perf_counter()
-            y, loops, counts = generate(model, torch.tensor([ids], device=dev), max_new_tokens, temperature,
-                                        top_k or None, R, exit_threshold if adaptive else None, exit_policy,
-                                        kv_policy=kv_policy, kv_slots=kv_slots or None,
-                                        draft_loops=draft_loops, speculate=speculate)
-            text = decode(y[0].tolist())  # (waits for the device)
-            seconds += time.perf_counter() - t0
-            print(text + '\n---------------')
-            used.append(loops.float().flatten())
-            stats.update(counts)
-    print(summary(num_samples * max_new_tokens, torch.cat(used), seconds, R, adaptive, stats))
+        outs, used, stats = decode_rows(model, rows, R, exit_threshold if adaptive else None, dev)
+    seconds = time.time() - t0
+    for out in outs:
+        print(decode(out) + '\n---------------')
+    used = torch.tensor([k for u in used for k in u], dtype=torch.float)
+    print(summary(used.numel(), used, seconds, R, adaptive, stats))
+
+
+def decode_rows(model, rows, R, threshold, dev):
+    # every prompt's tokens, the loops each new token used, and the decoding's counts
+    args = (max_new_tokens, temperature, top_k or None, R, threshold, exit_policy)
+    kw = dict(kv_policy=kv_policy, kv_slots=kv_slots or None)
+    if batch_size > 1:  # continuous depth batching: rows at their own loops share each block call
+        return serve(model, rows, args[0], batch_size, *args[1:], **kw)
+    outs, used, stats = [], [], Counter()
+    for ids in rows:  # one prompt at a time, as engine.generate decodes a batch
+        y, loops, counts = generate(model, torch.tensor([ids], device=dev), *args, draft_loops=draft_loops,
+                                    speculate=speculate, **kw)
+        outs, used = outs + [y[0].tolist()], used + [loops[0].tolist()]
+        stats.update(counts)
+    return outs, used, stats
 
 
 def summary(n, used, seconds, R, adaptive, stats):
     # every mode prints its speed: plain fixed-depth decoding is the baseline of the others
     depth = (f"mean loops used per token: {used.mean():.2f} of {R} (min {used.min():.0f}, "
              f"max {used.max():.0f}, {used.numel()} tokens); ") if adaptive and n else ""
-    ok, checked = stats['accepted'], stats['checked']
+    ok, checked = stats.get('accepted', 0), stats.get('checked', 0)
     drafts = f", {ok} of {checked} drafts accepted ({ok / checked:.0%})" if draft_loops and checked else ""
     return (f"{depth}{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
             + ("" if depth else f", {R} loops per token") + drafts)

@@ -3,7 +3,7 @@ Is looping free? Measure it, side by side in one run, and print one table of rat
 but every number here is a ratio of two things timed in the same process, interleaved, medians over repeats,
 warm-up excluded).
 
-    python lab/bench.py                               # CPU: 5.5 min on a busy 2-core CPU + 3 for row 17
+    python lab/bench.py                               # CPU: 6.5 min on a busy 2-core CPU + 3 for row 17
     python lab/bench.py --only=untied_vs_looped,peak_memory,step_time,vs_plain   # quick: rows 1-3 and 8
     python lab/bench.py --size=tiny                   # seconds: every row at toy sizes (what the tests run)
     python lab/bench.py --compile                     # also time torch.compile (minutes on a CPU)
@@ -12,6 +12,7 @@ warm-up excluded).
     python lab/bench.py --only=vs_plain,bf16,mfu_dtype  # some rows only (names: see MEASUREMENTS)
     python lab/bench.py --size=cpu_large --only=past_block,speculative  # rows 15-16, larger: minutes
     python lab/bench.py --only=moe --threads=1 --timer=process  # row 17, Looped-MoE: 3 min on a busy CPU
+    python lab/bench.py --only=depth_batching --threads=1 --timer=process  # row 18: about a minute
 
 Rows and their targets:
   1 train tok/s   K layers x R loops vs an untied stack of K*R layers, same width, terminal loss   >= 0.97
@@ -38,6 +39,9 @@ Rows and their targets:
  17 Looped-MoE    the default run with E = 8 experts, top 2 (active width = dense) vs dense: train step
                   time per dtype <= 1.5x, peak step memory <= 1.3x; the per-expert loop (kernels.moe_loop)
                   beside the grouped dispatch (kernels.moe); decode tok/s with the cache; FLOPs/token, MFU
+ 18 depth batch   continuous depth batching (batching.serve) and today's batched adaptive decoding vs
+                  fixed R, 4B prompts at batch B = 1, 8, 32, d 128 and d 512: tok/s against R / loops
+                  >= 0.9 x (R / loops) for depth batching at d >= 512, batch >= 8
 Each row is announced with the time so far and an ETA. On a CPU without bf16 units (hardware.cpu_bf16_units)
 bf16 is emulated, ~60x slower than fp32, so rows 6 and 8-12 run in fp32 only and row 9 is skipped (--bf16
 and the tiny size time bf16 anyway, marked as emulated; --no-bf16 leaves it out anywhere).
@@ -70,6 +74,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
+import batching
 from engine import KVCache, generate
 from exits import KV_POLICIES, exit_score
 import kernels
@@ -91,7 +96,9 @@ SIZES = {
                       vocab_size=64),
         past_block=dict(n_embd=32, n_head=2, n_layer=1, n_loop=2, block_size=16, prompt=4, vocab_size=64),
         speculative=dict(widths=(32,), head_size=16, n_layer=1, n_loop=3, gamma=3, prompt=4, new_tokens=8,
-                         vocab_size=64)),
+                         vocab_size=64),
+        depth=dict(widths=(32,), head_size=16, n_layer=1, n_loop=3, batches={1: (4, 1), 2: (4, 1)}, prompt=4,
+                   vocab_size=64)),
     'cpu': dict(
         speed=dict(n_embd=192, n_head=4, n_layer=2, n_loop=4, batch_size=4, block_size=256, vocab_size=65),
         head=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, batch_size=2, block_size=256, vocab_size=50257),
@@ -107,7 +114,11 @@ SIZES = {
                       new_tokens=12, vocab_size=65),
         past_block=dict(n_embd=128, n_head=4, n_layer=2, n_loop=4, block_size=64, prompt=16, vocab_size=65),
         speculative=dict(widths=(512,), head_size=64, n_layer=2, n_loop=4, gamma=4, prompt=16, new_tokens=16,
-                         vocab_size=65)),
+                         vocab_size=65),
+        # row 18: batch B -> (new tokens per prompt, timed repeats), 4B prompts each. ~50 s in all: at batch
+        # 32, serve's 128 prompt passes (~9 ms each at d 512) take a large part of a call
+        depth=dict(widths=(128, 512), head_size=64, n_layer=2, n_loop=4,
+                   batches={1: (12, 2), 8: (12, 3), 32: (8, 1)}, prompt=4, vocab_size=65)),
     'gpu': dict(
         speed=dict(n_embd=768, n_head=12, n_layer=4, n_loop=3, batch_size=8, block_size=1024,
                    vocab_size=50304),
@@ -125,7 +136,11 @@ SIZES = {
                          vocab_size=50257),
         # row 17: config/looped_moe_gpt2s.py's model (the row adds the experts) at its micro-batch; decoding
         moe=dict(GPT2S_MOE, batch_size=12, block_size=1024),
-        moe_decode=dict(GPT2S_MOE, prompt=16, new_tokens=64)),
+        moe_decode=dict(GPT2S_MOE, prompt=16, new_tokens=64),
+        # row 18 (lab/gpu_check.sh's depth step, ~2 min): V 65 as on the CPU, since at GPT-2's vocabulary the
+        # head every exit reads is 4x the K layers at d 512, and the row is about the batching
+        depth=dict(widths=(512, 2048), head_size=64, n_layer=2, n_loop=4, batches={8: (24, 3), 32: (24, 3)},
+                   prompt=4, vocab_size=65)),
 }
 # the cpu size with the long rows at full length: d 512 past a block of 256 (the width and block where
 # cropping at every step cost 9.7x), and speculative decoding at d 2048 too, whose 513 MiB of fp32 weights
@@ -1093,12 +1108,121 @@ def moe_decoding(run, spec):
                 decode_config=dict(spec, block_size=block_size, batch_size=1, **EXPERTS))
 
 
+# -----------------------------------------------------------------------------
+# row 18: continuous depth batching (batching.py) against today's batched decoding
+
+DEPTH_REQUESTS = 4  # prompts per row: rows refill, and the tail (the last requests, fewer rows) weighs less
+DEPTH_POLICIES = ('recompute', 'copy')
+
+
+def group_decoder(model, groups, n_new, last=None, name=None, **kw):
+    """A call that samples n_new tokens after each group (B, T) of prompts in turn with engine.generate,
+    today's batched path (a group waits for its slowest row); the loops per token go into last[name]."""
+    def decode():
+        torch.manual_seed(0)
+        used = [generate(model, g, n_new, temperature=1.0, **kw)[1] for g in groups]
+        if last is not None:
+            last[name] = torch.cat(used)
+    return decode
+
+
+def depth_decoder(model, rows, n_new, B, last, name, **kw):
+    """A call that serves the prompts `rows` (lists of ids), B rows in flight (batching.serve). Its prompt
+    passes (batching.decode_step: each prompt through every loop, its row alone, between the calls that
+    advance the others) are timed inside the call: batching.py has no switch for it, so its decode_step is
+    swapped for a timed one and put back. Into last: name (the loops per token), name + '_calls' (block
+    calls), name + '_prompt_s' (each call's seconds in prompt passes)."""
+    def decode():
+        plain, spent = batching.decode_step, []
+
+        def timed(*args):
+            sync(model.lm_head.weight.device)
+            t0 = CLOCK()
+            out = plain(*args)
+            sync(model.lm_head.weight.device)
+            spent.append(CLOCK() - t0)
+            return out
+        batching.decode_step = timed
+        try:
+            torch.manual_seed(0)
+            _, used, stats = batching.serve(model, rows, n_new, batch_size=B, temperature=1.0, **kw)
+        finally:
+            batching.decode_step = plain
+        last[name], last[name + '_calls'] = torch.tensor(used, dtype=torch.float), stats['calls']
+        last.setdefault(name + '_prompt_s', []).append(sum(spent))
+    return decode
+
+
+def row_depth(run):
+    """Continuous depth batching against today's batched decoding, at each width and batch B of the size:
+    DEPTH_REQUESTS x B prompts of one length, decoded (a) at fixed depth and (b) with adaptive exits by
+    engine.generate in groups of B, and (c) by batching.serve with B rows in flight, at row 13's threshold
+    (about half the tokens want to leave after loop 1), kv_policy recompute and copy. Each path's time less
+    its prompt passes (generate's: generate(..., 1) per group, timed beside; serve's, the rows waiting at once:
+    timed inside the call) is split over the new tokens after each prompt's first. All of one width and
+    batch are timed interleaved, the repeats the size gives each batch; one warm-up call each at the first
+    width only (the wider one's generations take seconds on a CPU). The models are fp32 on every device,
+    as row 13's are."""
+    spec = run.size['depth']
+    R = spec['n_loop']
+    block_size = spec['prompt'] + max(n for n, _ in spec['batches'].values())  # no window slides
+    cases = []
+    for C in spec['widths']:
+        torch.manual_seed(C)
+        model = build(run.device, **dict(spec, n_embd=C, n_head=max(1, C // spec['head_size']),
+                                         block_size=block_size), init='gpt2').eval()
+        threshold = median_first_exit_score(model, min(block_size, 256), run.device)
+        for B, (n_new, repeats) in spec['batches'].items():
+            P = DEPTH_REQUESTS * B
+            ids = prompts(spec['vocab_size'], P, spec['prompt'], seed=0, device=run.device)
+            groups, rows = ids.split(B), ids.tolist()
+            tag, last = f'depth_d{C}_b{B}_', {}
+            fns = {tag + 'prefill': group_decoder(model, groups, 1),
+                   tag + 'fixed': group_decoder(model, groups, n_new)}
+            for p in DEPTH_POLICIES:
+                kw = dict(exit_threshold=threshold, exit_policy=EXIT_POLICY, kv_policy=p)
+                fns[tag + 'adaptive_' + p] = group_decoder(model, groups, n_new, last, 'adaptive_' + p, **kw)
+                fns[tag + 'depth_' + p] = depth_decoder(model, rows, n_new, B, last, 'depth_' + p, **kw)
+            warmup = 1 if C == spec['widths'][0] else 0
+            t = side_by_side(fns, run.device, warmup, min(repeats, run.repeats))
+            for p in DEPTH_POLICIES:
+                if 'depth_' + p not in last:  # side_by_side did not call them (a test's stand-in timer)
+                    fns[tag + 'adaptive_' + p]()
+                    fns[tag + 'depth_' + p]()
+            tokens = P * (n_new - 1)  # each prompt's first new token comes off its prompt pass
+            fixed_s = (t[tag + 'fixed'] - t[tag + 'prefill']) / tokens
+            for p in DEPTH_POLICIES:
+                prompt_s = statistics.median(last[f'depth_{p}_prompt_s'])
+                s = dict(adaptive=(t[tag + 'adaptive_' + p] - t[tag + 'prefill']) / tokens,
+                         depth=(t[tag + 'depth_' + p] - prompt_s) / tokens)
+                case = dict(n_embd=C, batch_size=B, policy=p, requests=P, new_tokens=n_new,
+                            threshold=threshold, fixed_ms=fixed_s * 1e3, fixed_tok_s=1 / fixed_s,
+                            prompt_ms=t[tag + 'prefill'] / P * 1e3, depth_prompt_ms=prompt_s / P * 1e3)
+                for how in ('adaptive', 'depth'):
+                    loops = mean_loops(last[f'{how}_{p}'])
+                    ratio = fixed_s / s[how]
+                    case.update({f'{how}_loops': loops, f'{how}_ideal': R / loops, f'{how}_ratio': ratio,
+                                 f'{how}_of_ideal': ratio * loops / R, f'{how}_ms': s[how] * 1e3,
+                                 f'{how}_tok_s': 1 / s[how]})
+                # the loops the calls ran over the rows they could have run: below 1 in the tail
+                ran = last[f'depth_{p}'][:, 1:].sum().item()
+                case['occupancy'] = ran / (last[f'depth_{p}_calls'] * min(B, P)) if ran else 0.0
+                need = 0.9 * case['depth_ideal'] if C >= 512 and B >= 8 else None
+                case.update(target=f">= 0.9 x {case['depth_ideal']:.2f} = {need:.2f}" if need else 'report',
+                            met=None if need is None else case['depth_ratio'] >= need)
+                cases.append(case)
+    checked = [c['met'] for c in cases if c['met'] is not None]
+    return {'depth_batching': dict(cases=cases, target='>= 0.9 of the ideal at d >= 512, batch >= 8',
+                                   met=all(checked) if checked else None, exit_policy=EXIT_POLICY,
+                                   requests_per_row=DEPTH_REQUESTS, config=dict(spec, block_size=block_size))}
+
+
 # seconds of each row at the cpu size on a 2-core laptop CPU, (fp32 part, bf16 part), from a run on a busy
 # 2-core Xeon (5m26s there, load ~4) halved: only the ETA's weights, which it scales by the rows so far
 COST = {'untied_vs_looped': (26, 0), 'peak_memory': (7, 0), 'step_time': (8, 0), 'kv_cache': (27, 0),
         'compile': (3, 0), 'mfu': (1, 1), 'vs_plain': (3, 3), 'bf16': (0, 0), 'mfu_dtype': (0, 0),
         'attention': (35, 35), 'profile': (8, 7), 'decode_policies': (18, 0), 'cache_memory': (0, 0),
-        'past_block': (5, 0), 'speculative': (5, 0), 'moe': (45, 13)}
+        'past_block': (5, 0), 'speculative': (5, 0), 'moe': (45, 13), 'depth_batching': (30, 0)}
 COMPILE_COST = (120, 60)  # row 6 with --compile
 
 # (the row that records a failure, the function that measures it), in order: rows 6 and 7 use row 1's model,
@@ -1108,7 +1232,8 @@ MEASUREMENTS = (('untied_vs_looped', row_untied), ('peak_memory', row_memory), (
                 ('bf16', row_bf16), ('mfu_dtype', row_mfu_dtype), ('attention', row_attention),
                 ('profile', row_profile), ('decode_policies', row_policies),
                 ('cache_memory', row_cache_memory),
-                ('past_block', row_past_block), ('speculative', row_speculative), ('moe', row_moe))
+                ('past_block', row_past_block), ('speculative', row_speculative), ('moe', row_moe),
+                ('depth_batching', row_depth))
 
 
 # -----------------------------------------------------------------------------
@@ -1272,12 +1397,27 @@ def cells_moe(row):
     return cells
 
 
+
+def cells_depth(row):
+    R = row['config']['n_loop']
+    cells = []
+    for c in row['cases']:  # depth batching's cell, and under it today's batched adaptive path
+        cells += [(f"depth / fixed tok/s d{c['n_embd']} B{c['batch_size']} {c['policy']}; loops",
+                   f"{c['depth_ratio']:.2f}x={c['depth_of_ideal']:.2f} ideal; {c['depth_loops']:.2f}/{R}",
+                   c['target'], c['met']),
+                  f"(adaptive / fixed {c['adaptive_ratio']:.2f}x={c['adaptive_of_ideal']:.2f} ideal, "
+                  f"{c['adaptive_loops']:.2f}/{R} loops; depth's calls {c['occupancy']:.2f} full, prompt "
+                  f"passes {c['depth_prompt_ms']:.1f} ms a prompt vs {c['prompt_ms']:.1f} batched)"]
+    return cells + [f"({row['requests_per_row']}B prompts of {row['config']['prompt']} tokens at batch B; "
+                    f"tok/s of the new tokens after each prompt's first; fp32, untrained weights)"]
+
+
 TABLE = (('untied_vs_looped', cells_untied), ('peak_memory', cells_memory), ('step_time', cells_step_time),
          ('kv_cache', cells_kv_cache), ('adaptive_exit', cells_adaptive), ('compile', cells_compile),
          ('mfu', cells_mfu), ('vs_plain', cells_plain), ('bf16', cells_bf16), ('mfu_dtype', cells_mfu_dtype),
          ('attention', cells_attention), ('profile', cells_profile), ('decode_policies', cells_policies),
          ('cache_memory', cells_cache_memory), ('past_block', cells_past_block),
-         ('speculative', cells_speculative), ('moe', cells_moe))
+         ('speculative', cells_speculative), ('moe', cells_moe), ('depth_batching', cells_depth))
 
 
 def table_line(i, what, value, target, met):

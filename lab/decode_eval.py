@@ -6,12 +6,15 @@ as a deployed model would, and measure CE / PPL against the mean loops per token
     python lab/decode_eval.py out-raw --kv_policy=copy,shared --thresholds=0.5,0.8,0.95 --n_windows=2
 
 Teacher forcing: the next input token is always the true validation token, never a sampled one, and the
-CE at each position is that of the logits of the exit its token stopped at. Each window starts from an
-empty cache; its first token runs alone at position 0 and every later token runs as one decode step
-(exits.adaptive_step; engine.decode_step at fixed depth), so every token, the first included, may exit
-early. Past the block size the engine's refill takes over, as in generate: when the window is full it
-slides to its last block_size/2 tokens and one fixed-depth pass over them refills the cache (that token
-counts R loops; the refill's pass over the context is not counted in the loops per token).
+CE at each position is that of the logits of the exit its token stopped at. (So batching.py's depth
+batching, which samples each row's next token itself, does not serve here: the windows of a batch stand
+at one position and go through exits.adaptive_step as one step; the CE does not depend on the batching.)
+Each window starts from an empty cache; its first token runs alone at position 0 and every later token
+runs as one decode step (exits.adaptive_step; engine.decode_step at fixed depth), so every token, the
+first included, may exit early. Past the block size the engine's refill takes over, as in generate: when
+the window is full it slides to its last block_size/2 tokens and one fixed-depth pass over them refills
+the cache (that token counts R loops; the refill's pass over the context is not counted in the loops per
+token).
 
 Curves, per checkpoint:
   fixed depth    every token at loop n, n = 1..R, through the cache (KVCache with n loops)

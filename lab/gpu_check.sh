@@ -9,6 +9,8 @@
 #      r 1/2/4/8 of the paper's 2 + 16 + 2 blocks, context 256, 8 runs at once on the one GPU, eager; the
 #      fit and its report go to $OUT/iso (24 runs + 4 noise runs: the fit may say "not identified", the
 #      point is the runs' speed, to size the paper's grid from)
+#   6. (STEPS=depth only) continuous depth batching: bench row 18 at d 512 and d 2048, batch 8 and 32
+#      (batching.serve and today's batched adaptive decoding against fixed R, fp32), about 2 minutes
 # The training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
 # that has the network (or pass --input path/to/input.txt), and bring data/ along:
 #   python prepare.py shakespeare     # tinyshakespeare in GPT-2 BPE: data/shakespeare, ~300k train tokens
@@ -16,10 +18,12 @@
 # The vocabulary comes from the data's meta.json (paper_44m: GPT-2's 50257; deeploop_small and
 # looped_moe_gpt2s set 50304).
 # Then run, from anywhere, e.g.:  OUT=gpu_out bash lab/gpu_check.sh
-# Logs, bench_cuda.json, bench_moe_cuda.json and summary.txt go to $OUT (a relative path is taken from the
-# repository root). Each step has its own time limit so one slow step cannot take the others' time (560 s in
-# all: the whole script stays under ~9.5 minutes). STEPS picks steps (default all): STEPS=moe bash
-# lab/gpu_check.sh is the Looped-MoE check alone, about 3.5 minutes; STEPS=iso is step 5 alone, within 5.
+# Logs, bench_cuda.json, bench_moe_cuda.json, bench_depth_cuda.json and summary.txt go to $OUT (a relative
+# path is taken from the repository root). Each step has its own time limit so one slow step cannot take the
+# others' time (560 s in all: the whole script stays under ~9.5 minutes). STEPS picks steps (default: 1-4):
+# STEPS=moe bash lab/gpu_check.sh is the Looped-MoE check alone, about 3.5 minutes; STEPS=iso is step 5
+# alone, within 5; STEPS=depth is step 6 alone, within 2.5 (steps 5 and 6 are not in the default: either
+# would take the script past 9.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root: train.py, config/, data/
 OUT=${OUT:-gpu_out}
@@ -39,10 +43,10 @@ torch.cuda.get_device_name(), 'flash sdp', torch.backends.cuda.flash_sdp_enabled
 } 2>&1 | tee "$OUT/env.txt"
 
 # 1. the benchmark table at GPU sizes (writes its JSON after every row, so a timeout keeps what was done);
-#    row 17 (Looped-MoE) is step 4's
+#    row 17 (Looped-MoE) is step 4's, row 18 (depth batching) step 6's
 if want bench; then
   ROWS=$($PY -c "import sys; sys.path.insert(0, 'lab'); import bench; \
-print(','.join(name for name, _ in bench.MEASUREMENTS if name != 'moe'))")
+print(','.join(name for name, _ in bench.MEASUREMENTS if name not in ('moe', 'depth_batching')))")
   timeout 140 $PY lab/bench.py --device=cuda --only="$ROWS" --out="$OUT/bench_cuda.json" 2>&1 \
     | tee "$OUT/bench_cuda.log"
 fi
@@ -75,6 +79,11 @@ want iso && timeout 300 $PY lab/isodepth.py --preset=gpu --budgets=2e14,6e14 --w
   --eval_iters=5 --log_interval=100 --workers=8 --starts=100 --resamples=50 --out=/tmp/gpu_iso \
   --report_dir="$OUT/iso" 2>&1 | tee "$OUT/isodepth.log"
 
+# 6. continuous depth batching: bench row 18 at the gpu size (d 512 and d 2048, batch 8 and 32, 4B prompts,
+#    24 new tokens each, medians of 3)
+want depth && timeout 140 $PY lab/bench.py --device=cuda --only=depth_batching \
+  --out="$OUT/bench_depth_cuda.json" 2>&1 | tee "$OUT/bench_depth_cuda.log"
+
 # summary: medians over the logged iterations after the first five (compilation and warm-up left out)
 $PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, os, re, statistics, sys
@@ -93,7 +102,7 @@ for name in ('train_44m', 'train_124m', 'train_moe'):
         print(f"{name}: {len(rows)} iterations, median {ms:.1f} ms/iter, {tok:.1f}k tok/s, MFU {mfu:.1f}%")
     else:
         print(f"{name}: no timed iterations (see {name}.log)")
-for name in ('bench_cuda.json', 'bench_moe_cuda.json'):
+for name in ('bench_cuda.json', 'bench_moe_cuda.json', 'bench_depth_cuda.json'):
     try:
         print(json.load(open(os.path.join(out, name)))['table'])
     except FileNotFoundError:

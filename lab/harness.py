@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
+from batching import refusal, serve
 from engine import generate
 from errors import Parser, die, duration, first_line
 from prepare import checkpoint_meta, get_tokenizer
@@ -125,23 +126,30 @@ class NanoLoop(LM):
         return [sum(next(scores)[0] for _ in d) for d in docs]
 
     def generate_until(self, requests, disable_tqdm=False):
-        # greedy, one request at a time: engine.generate has no padding mask for prompts of unequal length.
-        # One generate call of max_gen_toks, cut at the first stop string: calls in chunks would each start
-        # a fresh cache and, past the block size, crop the context at other places than one call does
-        out, bs = [], self.model.config.block_size
-        desc = f"generate_until, n_loop={self.n_loop}"
-        for r in tqdm(requests, desc=desc, disable=disable_tqdm, mininterval=2):
-            context, kw = r.args
-            until = kw.get('until') or []
-            until = [until] if isinstance(until, str) else until
-            idx = torch.tensor([self.tok(context)[-bs:] or [self.prefix]], device=self._device)  # (1, T)
+        # greedy. The requests that ask for the same max_gen_toks decode together, batch_size rows in flight
+        # (batching.serve: prompts of unequal length, each row at its own position, the text each decodes
+        # alone); a model serve cannot run goes one request at a time. Each is one call of max_gen_toks,
+        # cut at its first stop string: calls in chunks would each start a fresh cache and, past the block
+        # size, crop the context at other places than one call does
+        bs, out, groups = self.model.config.block_size, [None] * len(requests), {}
+        for i, r in enumerate(requests):
+            groups.setdefault(int(r.args[1].get('max_gen_toks', 256)), []).append(i)
+        rows = self.batch_size if refusal(self.model.config, 'recompute') is None else 1
+        desc = f"generate_until, n_loop={self.n_loop}, {rows} rows in flight"
+        for n, todo in tqdm(groups.items(), desc=desc, disable=disable_tqdm, mininterval=2):
+            prompts = [self.tok(requests[i].args[0])[-bs:] or [self.prefix] for i in todo]
             with self.ctx:
-                y, _, _ = generate(self.model, idx, int(kw.get('max_gen_toks', 256)), temperature=0,
-                                n_loop=self.n_loop)
-            text = self.decode(y[0, idx.size(1):].tolist())
-            for u in until:
-                text = text.split(u)[0]
-            out.append(text)
+                if rows > 1:
+                    tokens = serve(self.model, prompts, n, rows, temperature=0, n_loop=self.n_loop)[0]
+                else:
+                    tokens = [generate(self.model, torch.tensor([p], device=self._device), n, temperature=0,
+                                       n_loop=self.n_loop)[0][0].tolist() for p in prompts]
+            for i, p, t in zip(todo, prompts, tokens):
+                until = requests[i].args[1].get('until') or []
+                text = self.decode(t[len(p):])
+                for u in [until] if isinstance(until, str) else until:
+                    text = text.split(u)[0]
+                out[i] = text
         return out
 
 

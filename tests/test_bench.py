@@ -3,6 +3,7 @@ bench.py at its tiny size: it runs end to end, writes one JSON with every row of
 (the peak-memory child process, the matmul ceiling) return sane numbers. Speed is bench.py's business, never
 a test's: nothing here asserts a timing or a ratio against its target.
 """
+import itertools
 import json
 import math
 import subprocess
@@ -191,7 +192,8 @@ def tiny(**size):
 
 def test_decoding_rows_are_in_the_plan_and_the_table(tiny_run):
     res = tiny_run[0]
-    assert [name for name, *_ in bench.plan(tiny())][-5:-1] == list(DECODING_ROWS)  # before row 17 (moe)
+    # before rows 17 (moe) and 18 (depth_batching)
+    assert [name for name, *_ in bench.plan(tiny())][-6:-2] == list(DECODING_ROWS)
     assert [name for name, _ in bench.TABLE][12:16] == list(DECODING_ROWS)          # rows 13-16
     assert set(DECODING_ROWS) <= set(bench.COST)
     for name in DECODING_ROWS:
@@ -282,7 +284,7 @@ def test_moe_row_reports_step_memory_decoding_and_the_active_flops():
     assert [cell[0].split(', ')[-2] for cell in cells[:2]] == ['fp32', 'bf16']  # one line per dtype
     assert f"{row['ratio_float32']:.2f}x (loop {row['loop_ratio_float32']:.2f}x)" == cells[0][1]
     assert 'FLOPs/token' in cells[-1]
-    assert ('moe', bench.row_moe) == bench.MEASUREMENTS[-1] and bench.TABLE[-1][0] == 'moe'
+    assert ('moe', bench.row_moe) == bench.MEASUREMENTS[-2] and bench.TABLE[16][0] == 'moe'  # row 17
 
 
 def test_moe_loop_column_runs_the_per_expert_loop_and_puts_the_grouped_one_back():
@@ -302,3 +304,67 @@ def test_moe_loop_column_runs_the_per_expert_loop_and_puts_the_grouped_one_back(
     K, R = model.config.n_layer, model.config.n_loop
     assert len(calls) == K * R and kernels.moe is grouped
     assert torch.allclose(loss, loop_loss, atol=1e-5)
+
+
+def test_depth_batching_times_new_tokens_only_and_targets_0_9_of_ideal_at_wide_batches(monkeypatch):
+    # row 18 with stand-in timings: a clock that ticks one second a reading (so each of serve's prompt passes,
+    # timed inside its call, takes one second) and stand-in medians of whole calls. What is left after the
+    # prompt passes, over the new tokens after each prompt's first, is each path's time per token
+    spec = dict(widths=(32, 512), head_size=256, n_layer=1, n_loop=3, batches={1: (3, 1), 8: (3, 1)},
+                prompt=2, vocab_size=64)
+    fake = dict(prefill=0.1, fixed=1.1, adaptive_recompute=0.6, adaptive_copy=0.5)
+
+    passes, plain = [], bench.batching.decode_step
+
+    def counted(*args):
+        passes.append(1)
+        return plain(*args)
+
+    def side_by_side(fns, *args):
+        # serve's calls run (their prompt passes are counted, one second each on the clock below); each
+        # stand-in call takes its passes and 0.2 s (copy) or 2 s (recompute)
+        out = {}
+        for n, fn in fns.items():
+            kind = n.split('_', 3)[-1]
+            if kind.startswith('depth_'):
+                before = len(passes)
+                fn()
+                out[n] = len(passes) - before + (0.2 if kind == 'depth_copy' else 2.0)
+            else:
+                if kind.startswith('adaptive_'):  # (the row reads their loops per token)
+                    fn()
+                out[n] = fake[kind]
+        return out
+    monkeypatch.setattr(bench.batching, 'decode_step', counted)
+    monkeypatch.setattr(bench, 'side_by_side', side_by_side)
+    monkeypatch.setattr(bench, 'CLOCK', itertools.count().__next__)
+    row = bench.row_depth(tiny(depth=spec))['depth_batching']
+    R, cases = spec['n_loop'], row['cases']
+    assert [(c['n_embd'], c['batch_size'], c['policy']) for c in cases] == \
+        [(C, B, p) for C in (32, 512) for B in (1, 8) for p in ('recompute', 'copy')]
+    for c in cases:
+        P, tokens = c['requests'], c['requests'] * (c['new_tokens'] - 1)
+        passes = c['depth_prompt_ms'] * P / 1e3  # serve's prompt passes, one second each on this clock
+        assert P == bench.DEPTH_REQUESTS * c['batch_size'] and 1 <= passes <= P
+        assert passes == pytest.approx(round(passes))  # (the rows waiting at once share one pass)
+        assert c['fixed_ms'] == pytest.approx((1.1 - 0.1) / tokens * 1e3)
+        assert c['adaptive_ms'] == pytest.approx((fake['adaptive_' + c['policy']] - 0.1) / tokens * 1e3)
+        assert c['depth_ms'] == pytest.approx((0.2 if c['policy'] == 'copy' else 2.0) / tokens * 1e3)
+        for how in ('adaptive', 'depth'):
+            assert 1 <= c[f'{how}_loops'] <= R and c[f'{how}_ideal'] == pytest.approx(R / c[f'{how}_loops'])
+            assert c[f'{how}_ratio'] == pytest.approx(c['fixed_ms'] / c[f'{how}_ms'])
+            assert c[f'{how}_of_ideal'] == pytest.approx(c[f'{how}_ratio'] / c[f'{how}_ideal'])
+            assert c[f'{how}_tok_s'] == pytest.approx(1e3 / c[f'{how}_ms'])
+        assert 0 < c['occupancy'] <= 1
+        # the target: depth batching at 0.9 of its ideal, only at d >= 512 and batch >= 8 (copy runs 5x
+        # fixed here, above any ideal of R = 3; recompute 0.5x, below any)
+        if (c['n_embd'], c['batch_size']) == (512, 8):
+            assert c['met'] is (c['policy'] == 'copy') and c['target'].startswith('>= 0.9 x')
+        else:
+            assert c['met'] is None and c['target'] == 'report'
+    assert row['met'] is False and row['requests_per_row'] == bench.DEPTH_REQUESTS
+    cells = bench.cells_depth(row)
+    assert f"{cases[-1]['depth_ratio']:.2f}x={cases[-1]['depth_of_ideal']:.2f} ideal" in cells[-3][1]
+    assert ('depth_batching', bench.row_depth) == bench.MEASUREMENTS[-1]
+    assert bench.TABLE[-1][0] == 'depth_batching' and len(bench.TABLE) == 18  # row 18
+    assert 'depth_batching' in bench.COST and set(bench.SIZES['cpu']['depth']['widths']) == {128, 512}

@@ -112,8 +112,9 @@ def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_say
         inputs, states = visits(m, cache, seq[:, pos:], pos, R)  # loop 1 reads e
         _, used = adaptive_forward(m, seq[:, pos:], cache, pos, R, 0.5, 'maxprob')
         rope = m.rope(pos, 1)
-        kv = lambda x, j, b, block=None: [t[b, :, 0] for t in
-                                          (block or m.transformer.h[j]).keys_values(x, rope)]
+        def kv(x, j, b, block=None):
+            block = block or m.transformer.h[j]
+            return [t[b, :, 0] for t in block.attn.qkv(block.ln_1(x), rope)[1:]]
         assert used.tolist() == [2, 3]
         for b, exit_k in enumerate((2, 3)):
             want = {}  # (k, j) -> the K/V a later token reads at this visit, or None for 'not seen'
@@ -174,9 +175,9 @@ def test_active_attention_sees_only_positions_that_reached_the_loop():
     update = slot.update
 
     def watch(k, v, pos):
-        keys, values = update(k, v, pos)
+        keys, values, mask = update(k, v, pos)
         seen.append(keys.size(2))
-        return keys, values
+        return keys, values, mask
 
     slot.update = watch
     decode_step(m, x[:, :1], cache, 5, R)

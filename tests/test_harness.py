@@ -132,6 +132,19 @@ def test_generate_until_is_greedy_generate_cut_at_the_stop_string(deep):
     assert len(texts) == 2  # the depths decode other text, so a generate_until at the wrong depth shows
 
 
+def test_generate_until_decodes_many_requests_in_flight_as_each_alone(deep):
+    # contexts of unequal length and two max_gen_toks: rows at their own positions (batching.serve), each
+    # the text its request decodes by itself
+    lm = harness.NanoLoop(str(deep), depths=(2,), batch_size=3)
+    model, ids = model_and_ids(deep)
+    asks = [(DOCS[i % len(DOCS)]['context'][:20 + 7 * i], n) for i, n in enumerate((12, 20, 12, 7, 20))]
+    reqs = [Instance('generate_until', {}, (ctx, {'until': ['never'], 'max_gen_toks': n}), 0)
+            for ctx, n in asks]
+    want = [lm.decode(generate(model, torch.tensor([ids(ctx)]), n, temperature=0, n_loop=2)[0][0, len(ctx):]
+                      .tolist()) for ctx, n in asks]
+    assert lm.generate_until(reqs) == want and len(set(want)) > 1
+
+
 def test_each_depth_is_scored_at_its_own_exit(deep):
     # under final_only, exit 1 of a 2-loop pass is read without the readout norm: scoring it as exit R
     # (with the norm) gives other log-likelihoods

@@ -611,7 +611,7 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
     x = m.run(idx[:, :5], n_loop=1).states[0][:, -1:]  # the new token's state after loop 1
     for k in (2, 3):
         for j, block in enumerate(m.transformer.h):
-            kk, vv = block.keys_values(x)
+            _, kk, vv = block.attn.qkv(block.ln_1(x))
             slot = cache.slots['loop'][(k - 1) * K + j]
             assert torch.allclose(slot.k[:, :, 4:5], kk, atol=1e-5)
             assert torch.allclose(slot.v[:, :, 4:5], vv, atol=1e-5)

@@ -1,0 +1,253 @@
+"""
+Continuous depth batching (Schwethelm et al. 2026; docs/decoding.md): the loop's weights are shared, so
+tokens at *different* loops can go through the *same* block call. Every call advances each row one loop;
+a row whose token exits is read out, samples, and starts its next token at loop 1 in the next call, while
+the others go on. A row is a request: when it has its tokens, the next prompt takes its place.
+
+    outs, used, stats = serve(model, prompts, 200, batch_size=8, exit_threshold=0.9, temperature=0)
+
+Each row attends to the cache slots of its own (loop, layer) visit at its own position: RowSlot gathers
+them per row and masks the positions past the row's own. A token that exits at loop k leaves in the slots
+of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1). A prompt's prefill, a window
+that slides past the block size and the first token after them run all R loops, as engine.generate does:
+the rows waiting for one take it together, through engine.decode_step.
+"""
+import torch
+
+import exits
+from engine import KVCache, decode_step, pick
+
+
+def refusal(cfg, kv_policy, draft_loops=0):
+    """Why depth batching cannot run this model or these options (one line, in sample.py's flags), or
+    None. One call serves rows at other loops, so a model whose loop k is more than the slots it reads
+    cannot be served this way."""
+    if draft_loops:
+        return "--draft_loops verifies a batch of rows in step: drop it or use --batch_size=1"
+    why = ("hyper-connections carry lanes per loop" if cfg.hyper_lanes else
+           "injection='iso' acts before loop 1 too" if cfg.injection == 'iso' else
+           "tied routing reads loop 1's experts in the same pass" if cfg.tied_routing else None)
+    if why:
+        return f"--batch_size > 1 runs rows at different loops in one call, and {why}: use --batch_size=1"
+    if kv_policy == 'active':
+        return ("--kv_policy=active masks visits per history, one row at a time: use --batch_size=1 or "
+                "another kv_policy")
+    return None
+
+# -----------------------------------------------------------------------------
+# the cache, seen by rows at their own loops and positions
+
+class RowSlot:
+    """One part's keys and values for rows `rows` (B',), each at its own plane: for the loop part the
+    tensors are (slots, B, nh, T, hs) and row b reads slot plane[b], else (B, nh, T, hs)."""
+
+    def __init__(self, k, v, rows, plane=None):
+        self.k, self.v, self.rows, self.plane = k, v, rows, plane
+
+    def index(self):
+        # the rows' entries of the tensors: (rows,), or (each row's slot, rows) for the loop part
+        return (self.rows,) if self.plane is None else (self.plane, self.rows)
+
+    def write(self, k, v, pos):
+        # k, v (B', nh, 1, hs): each row's new token at its own position pos (B',)
+        self.k[(*self.index(), slice(None), pos)] = k[:, :, 0].to(self.k.dtype)  # (AMP computes in bf16)
+        self.v[(*self.index(), slice(None), pos)] = v[:, :, 0].to(self.v.dtype)
+
+    def update(self, k, v, pos):
+        # write, then each row's keys and values 0..max(pos) and the mask of the positions it has
+        self.write(k, v, pos)
+        n = int(pos.max()) + 1
+        keys, values = (t[..., :n, :][self.index()] for t in (self.k, self.v))  # (B', nh, n, hs)
+        mask = torch.arange(n, device=pos.device) <= pos[:, None]           # (B', n)
+        return keys, values, mask[:, None, None, :]
+
+    def copy_from(self, other, pos):
+        # another visit's keys and values at each row's position (a skipped visit, exits.fill_skipped)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            mine[(*self.index(), slice(None), pos)] = theirs[(*other.index(), slice(None), pos)]
+
+
+class RowView:
+    """The cache seen by cache rows `rows` (B',): what GPT.loops and GPT.untied ask for. With loops
+    (B',) each row's loop slots are its own loop's, whatever loop the caller names: GPT.loops then runs
+    one loop for rows that stand at different loops."""
+
+    def __init__(self, cache, rows, loops=None):
+        self.cache, self.rows, self.loops, self.K, self.n = cache, rows, loops, cache.K, cache.n
+        self.policy = cache.policy
+
+    def slot(self, part, j, k=1):
+        c = self.cache
+        if part != 'loop':
+            s = c.slots[part][j]
+            return RowSlot(s.k, s.v, self.rows)
+        k = self.loops if self.loops is not None else torch.full_like(self.rows, k)
+        return RowSlot(c.loop_k[:, j], c.loop_v[:, j], self.rows, (k - 1) % c.n)
+
+# -----------------------------------------------------------------------------
+# one call: every row one loop
+
+def readout(model, h, ks, view, pos):
+    """z_k and the logits (B', V) of rows at exits ks (B',): the coda and the readout norm, which
+    depends on the exit only for 'final_only' (exit R is normed, the others are not)."""
+    if model.config.readout != 'final_only':
+        z = model.coda_readout(h, 1, view, pos)[:, -1]
+    else:
+        z = torch.empty_like(h[:, -1])
+        for k in ks.unique().tolist():
+            r = (ks == k).nonzero().squeeze(1)
+            z[r] = model.coda_readout(h[r], k, RowView(view.cache, view.rows[r]), pos[r])[:, -1]
+    return z, model.lm_head(z).float()
+
+
+def score(model, policy, z, logits, prev, first):
+    """exits.score_at_exit for rows each at its own exit: rows at exit 1 (first) start afresh, the
+    others go on from prev (None: every row is at exit 1)."""
+    fresh, fresh_prev = exits.score_at_exit(model, policy, z, logits)
+    if prev is None or fresh_prev is None or bool(first.all()):
+        return fresh, fresh_prev
+    later, later_prev = exits.score_at_exit(model, policy, z, logits, prev)
+    pick_fresh = lambda a, b: torch.where(first.view(-1, *[1] * (a.dim() - 1)), a, b)
+    return pick_fresh(fresh, later), pick_fresh(fresh_prev, later_prev)
+
+
+def fill_skipped(model, cache, rows, h, e, ks, R, pos):
+    """Rows `rows` that exit at loops ks < R fill the slots of the loops they skip, as exits.fill_skipped
+    does at batch 1. Under recompute the keys and values of carry(h_k, e) are those of every skipped
+    loop: one pass over the rows, whatever loop each exited at; the other policies copy, per exit loop."""
+    if cache.policy != 'recompute':
+        for k in ks.unique().tolist():
+            r = (ks == k).nonzero().squeeze(1)
+            exits.fill_skipped(model, RowView(cache, rows[r]), h[r], e[r], k, R, pos[r])
+        return
+    x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read
+    for j, block in enumerate(model.transformer.h):
+        _, keys, values = block.attn.qkv(block.ln_1(x), rope)
+        for k2 in range(int(ks.min()) + 1, R + 1):  # the rows that skip loop k2
+            r = (ks < k2).nonzero().squeeze(1)
+            RowView(cache, rows[r]).slot('loop', j, k2).write(keys[r], values[r], pos[r])
+
+# -----------------------------------------------------------------------------
+# serving many prompts
+
+class Requests:
+    """The prompts, their tokens so far and the loops each new token used; which request each row
+    serves, and each row's window start (a window slides to its last half past the block size)."""
+
+    def __init__(self, prompts, B, max_new_tokens, block_size):
+        self.tokens = [list(p) for p in prompts]
+        self.used, self.queue = [[] for _ in prompts], list(range(len(prompts)))
+        self.row, self.start = [None] * B, [0] * B
+        self.n, self.bs, self.refills = max_new_tokens, block_size, 0
+
+    def add(self, b, token, loops):
+        """Row b's next token, which used `loops`: 'done' (the request has its tokens, the row is free),
+        'slide' (the window is full: it moves to its last half, to be refilled), or its position."""
+        r = self.row[b]
+        self.tokens[r].append(token)
+        self.used[r].append(loops)
+        if len(self.used[r]) == self.n:
+            self.row[b] = None
+            return 'done'
+        if len(self.tokens[r]) - self.start[b] > self.bs:
+            self.start[b] = len(self.tokens[r]) - max(1, self.bs // 2)
+            self.refills += 1
+            return 'slide'
+        return len(self.tokens[r]) - 1 - self.start[b]
+
+    def window(self, b):
+        return self.tokens[self.row[b]][self.start[b]:]
+
+
+@torch.no_grad()
+def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=None, n_loop=None,
+          exit_threshold=None, exit_policy='maxprob', kv_policy='recompute', kv_slots=None):
+    """Decode max_new_tokens after each prompt (lists of token ids), batch_size rows in flight, with
+    continuous depth batching. Returns the token lists (prompt and new tokens) in prompt order, the loops
+    each new token used, and counts: calls (of the loop's blocks), refills (windows that slid)."""
+    cfg, device = model.config, model.lm_head.weight.device
+    R = cfg.n_loop if n_loop is None else n_loop
+    why = refusal(cfg, kv_policy)
+    assert why is None, why
+    threshold = None if exit_threshold is None else exits.score_threshold(exit_policy, exit_threshold)
+    B = max(1, min(batch_size, len(prompts)))
+    cache = KVCache(model, B, R, device, model.lm_head.weight.dtype, kv_policy, kv_slots)
+    req, calls = Requests(prompts, B, max_new_tokens, cfg.block_size), 0
+    ks = torch.zeros(B, dtype=torch.long, device=device)     # each row's last loop run (0: a new token)
+    pos = torch.zeros(B, dtype=torch.long, device=device)    # each row's token position in its window
+    tok = torch.zeros(B, 1, dtype=torch.long, device=device)  # each row's token in flight
+    h, e = (torch.zeros(B, 1, cfg.n_embd, device=device, dtype=model.lm_head.weight.dtype) for _ in range(2))
+    live, waiting, prev = [], list(range(B)), None  # rows decoding, rows to (re)fill; exit-score state
+
+    def refill():
+        # the rows waiting for a prefill (a new prompt, or a window that slid) take it together, their
+        # windows right-padded to the longest: padding sits past each row's own tokens, where no query
+        # of that row looks before its own token overwrites it; then each row samples from its last token
+        while waiting:
+            rows = [b for b in waiting if req.row[b] is not None or enter(b)]
+            waiting.clear()
+            if not rows:
+                return
+            windows = [req.window(b) for b in rows]
+            n = max(map(len, windows))
+            idx = torch.tensor([w + w[-1:] * (n - len(w)) for w in windows], device=device)
+            last = torch.tensor([len(w) - 1 for w in windows], device=device)
+            logits = decode_step(model, idx, cache.select(torch.tensor(rows, device=device)), 0, R, last)
+            for b, t in zip(rows, pick(logits, temperature, top_k)[:, 0].tolist()):
+                go(b, req.add(b, t, R))
+
+    def enter(b):
+        # the next prompt into free row b (its window: the prompt's last block_size tokens)
+        if not req.queue or max_new_tokens == 0:
+            return False
+        req.row[b] = req.queue.pop(0)
+        req.start[b] = max(0, len(req.tokens[req.row[b]]) - cfg.block_size)
+        return True
+
+    def go(b, step):
+        # row b after its new token: free (it takes the next prompt), to refill, or decoding at pos `step`
+        if step in ('done', 'slide'):
+            waiting.append(b)
+            if b in live:
+                live.remove(b)
+        else:
+            tok[b, 0], pos[b], ks[b] = req.tokens[req.row[b]][-1], step, 0
+            if b not in live:
+                live.append(b)
+
+    refill()
+    while live:
+        rows = torch.tensor(live, device=device)
+        first = ks[rows] == 0
+        if bool(first.any()):  # tokens that start: embed and prelude, each at its own position
+            new = rows[first]
+            e[new] = model.prelude(model.embed(tok[new], pos[new]), RowView(cache, new), pos[new]).to(e.dtype)
+        x = e[rows].clone()
+        if not bool(first.all()):  # what loop k+1 reads of h_k: the inter-loop norm, then the injection
+            later = (~first).nonzero().squeeze(1)
+            x[later] = model.carry(h[rows[later]], e[rows[later]]).to(x.dtype)
+        ks[rows] += 1
+        p, view = pos[rows], RowView(cache, rows, ks[rows])
+        # one block call per layer for every row, each at its own loop (its slots) and position
+        h[rows] = model.loops(x, e[rows], [1], view, p).states[0].to(h.dtype)
+        calls += 1
+        z, logits = readout(model, h[rows], ks[rows], view, p)
+        done = ks[rows] == R
+        if threshold is not None:
+            s, nxt = score(model, exit_policy, z, logits, None if prev is None else prev[rows], first)
+            if nxt is not None:
+                prev = nxt.new_zeros(B, *nxt.shape[1:]) if prev is None else prev
+                prev[rows] = nxt
+            done |= s >= threshold
+        out = done.nonzero().squeeze(1)
+        if out.numel() == 0:
+            continue
+        early = out[ks[rows[out]] < R]
+        if early.numel():
+            r = rows[early]
+            fill_skipped(model, cache, r, h[r], e[r], ks[r], R, pos[r])
+        picked = pick(logits[out], temperature, top_k)[:, 0].tolist()
+        for b, t, k in zip(rows[out].tolist(), picked, ks[rows[out]].tolist()):
+            go(b, req.add(b, t, k))
+        refill()
+    return req.tokens, req.used, dict(calls=calls, refills=req.refills)

@@ -1,0 +1,158 @@
+"""batching.py: continuous depth batching. Rows at different loops share each block call, each reading and
+writing the cache slots of its own (loop, layer) visit at its own position; a finished row takes the next
+prompt. Every row decodes what it would decode alone."""
+import pytest
+import torch
+
+import batching
+import kernels
+from batching import serve
+from engine import generate
+from model import GPT, GPTConfig
+from test_sample import run_main
+
+V, T = 48, 16
+
+
+def tiny(**kw):
+    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=4, n_head=2, n_embd=16)
+    base.update(kw)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**base)).eval()
+
+
+def prompts(lengths=(3, 5, 2, 7, 4), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+
+
+def alone(m, p, n, **kw):
+    """generate's decoding of prompt p by itself: its tokens and the loops each new token used."""
+    out, used, _ = generate(m, torch.tensor([p]), n, temperature=0, **kw)
+    return out[0].tolist(), used[0].tolist()
+
+
+def test_a_key_mask_per_row_is_attention_over_that_rows_own_keys():
+    q, k, v = (torch.randn(3, 2, n, 8) for n in (1, 6, 6))
+    lengths = [2, 6, 4]
+    keep = (torch.arange(6) < torch.tensor(lengths)[:, None])[:, None, None, :]
+    got = kernels.attention(q, k, v, False, keep=keep)
+    for b, n in enumerate(lengths):
+        want = kernels.attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], False)
+        torch.testing.assert_close(got[b:b + 1], want)
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(pos='rope', n_prelude=1, n_coda=1, injection='add'),
+                                dict(readout='final_only', inter_loop_norm='rmsnorm', injection='concat')])
+def test_with_an_unreachable_threshold_every_row_decodes_its_prompt_as_alone(kw):
+    # 5 prompts of other lengths on 3 rows, 30 tokens each: past the block size, so every window slides
+    m, ps = tiny(**kw), prompts()
+    outs, used, stats = serve(m, ps, 30, batch_size=3, temperature=0, exit_threshold=1e9,
+                              exit_policy='margin')
+    for p, out, u in zip(ps, outs, used):
+        assert (out, u) == alone(m, p, 30)
+    assert stats['refills'] > len(ps)
+
+
+@pytest.mark.parametrize('kv_policy,kv_slots', [('recompute', None), ('copy', None), ('shared', 2)])
+@pytest.mark.parametrize('policy,threshold', [('maxprob', 0.06), ('margin', 0.3), ('entropy', 0.02),
+                                              ('kl', 1e-3)])
+def test_with_a_real_threshold_each_row_exits_and_decodes_as_at_batch_1(kv_policy, kv_slots, policy,
+                                                                       threshold):
+    # rows exit at other loops in the same call; each leaves in its skipped slots what its policy says, so
+    # its later tokens see what they would see alone (copy and shared mean what they mean at batch 1)
+    m, ps = tiny(pos='rope', n_coda=1, injection='add'), prompts()
+    kw = dict(exit_threshold=threshold, exit_policy=policy, kv_policy=kv_policy, kv_slots=kv_slots)
+    outs, used, _ = serve(m, ps, 20, batch_size=4, temperature=0, **kw)
+    loops = [k for u in used for k in u[1:]]  # (the first token of each prompt runs every loop)
+    assert 1 < sum(loops) / len(loops) < 4 and len(set(loops)) > 1  # the rows really exit at other loops
+    for p, out, u in zip(ps, outs, used):
+        assert (out, u) == alone(m, p, 20, **kw)
+
+
+def test_the_learned_gate_exits_as_at_batch_1():
+    m = tiny(exit_gate='learned')
+    with torch.no_grad():
+        m.exit_gate.bias.fill_(-1.0)  # lambda near 0.27: rows leave after one, two or more loops
+    ps = prompts()
+    outs, used, _ = serve(m, ps, 20, batch_size=3, temperature=0, exit_threshold=0.5, exit_policy='gate')
+    for p, out, u in zip(ps, outs, used):
+        assert (out, u) == alone(m, p, 20, exit_threshold=0.5, exit_policy='gate')
+
+
+def test_rows_at_different_loops_share_one_block_call(monkeypatch):
+    m, ps, seen = tiny(), prompts(), []
+    view = batching.RowView
+
+    def spy(cache, rows, loops=None):
+        if loops is not None:
+            seen.append(loops.clone())
+        return view(cache, rows, loops)
+    monkeypatch.setattr(batching, 'RowView', spy)
+    outs, used, stats = serve(m, ps, 12, batch_size=3, temperature=0, exit_threshold=1e-3, exit_policy='kl')
+    assert stats['calls'] == len(seen)
+    assert any(len(set(ks.tolist())) > 1 for ks in seen)  # one call, rows at other loops
+    # every loop a row ran is one row of one call, but the prefills': a prompt's (its first token) and a
+    # sliding window's (R loops each)
+    assert sum(ks.numel() for ks in seen) == sum(sum(u[1:]) for u in used) - 4 * stats['refills']
+
+
+def test_a_freed_row_takes_the_next_prompt_and_outputs_keep_the_prompts_order():
+    m, ps = tiny(), prompts(lengths=(2, 9, 4, 3, 6, 5, 8))
+    outs, used, _ = serve(m, ps, 6, batch_size=2, temperature=0, exit_threshold=0.06)
+    assert [o[:len(p)] for o, p in zip(outs, ps)] == ps and all(len(u) == 6 for u in used)
+    assert serve(m, ps, 0, batch_size=2)[0] == ps  # nothing asked: the prompts come back
+
+
+@pytest.mark.parametrize('kw,says', [(dict(hyper_lanes=2, inter_loop_norm='rmsnorm'), 'hyper-connections'),
+                                     (dict(injection='iso'), "injection='iso'"),
+                                     (dict(n_expert=4, tied_routing=True), 'tied routing')])
+def test_models_whose_loop_is_more_than_its_slots_are_refused_in_one_line(kw, says):
+    why = batching.refusal(tiny(**kw).config, 'recompute')
+    assert says in why and '--batch_size=1' in why and '\n' not in why
+    assert 'active' in batching.refusal(tiny().config, 'active')
+    assert 'draft_loops' in batching.refusal(tiny().config, 'copy', draft_loops=1)
+
+
+def test_sample_decodes_a_file_of_prompts_in_order_with_rows_in_flight(tiny_data, tiny_ckpt, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    lines = ['ROMEO:', 'JULIET: my', '', 'KING HENRY:', 'the']  # a blank line is skipped
+    (tmp_path / 'p.txt').write_text('\n'.join(lines) + '\n', encoding='utf-8')
+    base = [f'--out_dir={tiny_ckpt}', f"--prompts={tmp_path / 'p.txt'}", '--max_new_tokens=10',
+            '--device=cpu', '--temperature=0', '--exit_threshold=0.3']
+    code, batched, err = run_main(base + ['--batch_size=3'])
+    assert code == 0, err
+    texts = lambda out: out.split('\n', 1)[1].split('\n---------------\n')[:-1]  # after the header line
+    asked = [line for line in lines if line]
+    assert [t[:len(p)] for t, p in zip(texts(batched), asked)] == asked and len(texts(batched)) == 4
+    assert all(len(t) == len(p) + 10 for t, p in zip(texts(batched), asked))
+    assert 'mean loops used per token' in batched and '3 rows in flight' in batched
+    code, one_at_a_time, _ = run_main(base)  # batch 1: the same texts
+    assert code == 0 and texts(one_at_a_time) == texts(batched) and 'rows in flight' not in one_at_a_time
+
+
+@pytest.mark.parametrize('args,says', [(['--start=x'], 'drop --start'), (['--batch_size=0'], 'must be >= 1'),
+                                       (['--batch_size=2', '--draft_loops=1'], '--draft_loops'),
+                                       (['--batch_size=2', '--kv_policy=active', '--exit_threshold=0.5'],
+                                        'kv_policy=active')])
+def test_sample_refuses_what_rows_in_flight_cannot_do_in_one_line(tiny_data, tiny_ckpt, tmp_path, monkeypatch,
+                                                                  args, says):
+    monkeypatch.chdir(tiny_data.parent.parent)
+    (tmp_path / 'p.txt').write_text('ROMEO:\nthe\n', encoding='utf-8')
+    code, _, err = run_main([f'--out_dir={tiny_ckpt}', f"--prompts={tmp_path / 'p.txt'}", '--device=cpu',
+                             *args])
+    assert code == 1 and says in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize('autocast', [True, False])
+def test_rows_in_flight_decode_under_bf16_autocast_and_in_bf16_weights(autocast):
+    # AMP computes keys, values and states in bf16 while the cache and the rows' buffers keep the weights'
+    # dtype; a batch-1 early exit and a batched one both write through the cache's own dtype
+    m, ps = tiny(), prompts()
+    if not autocast:
+        m = m.to(torch.bfloat16)
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+        outs, used, _ = serve(m, ps, 8, batch_size=3, temperature=0, exit_threshold=0.06)
+        generate(m, torch.tensor([p[:2] for p in ps]), 4, temperature=0, exit_threshold=0.06)
+    assert all(len(u) == 8 for u in used) and all(len(o) == len(p) + 8 for o, p in zip(outs, ps))
