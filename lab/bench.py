@@ -1158,7 +1158,7 @@ def row_depth(run):
     DEPTH_REQUESTS x B prompts of one length, decoded (a) at fixed depth and (b) with adaptive exits by
     engine.generate in groups of B, and (c) by batching.serve with B rows in flight, at row 13's threshold
     (about half the tokens want to leave after loop 1), kv_policy recompute and copy. Each path's time less
-    its prompt passes (generate's: generate(..., 1) per group, timed beside; serve's, the rows waiting at once:
+    its prompt passes (generate's: generate(..., 1) per group, timed beside; serve's, rows waiting at once:
     timed inside the call) is split over the new tokens after each prompt's first. All of one width and
     batch are timed interleaved, the repeats the size gives each batch; one warm-up call each at the first
     width only (the wider one's generations take seconds on a CPU). The models are fp32 on every device,

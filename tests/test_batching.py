@@ -8,17 +8,8 @@ import batching
 import kernels
 from batching import serve
 from engine import generate
-from model import GPT, GPTConfig
+from test_engine import V, tiny  # the engine tests' tiny model (V 48, block 16)
 from test_sample import run_main
-
-V, T = 48, 16
-
-
-def tiny(**kw):
-    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=4, n_head=2, n_embd=16)
-    base.update(kw)
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**base)).eval()
 
 
 def prompts(lengths=(3, 5, 2, 7, 4), seed=1):
