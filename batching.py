@@ -26,7 +26,8 @@ def refusal(cfg, kv_policy, draft_loops=0):
         return "--draft_loops verifies a batch of rows in step: drop it or use --batch_size=1"
     why = ("hyper-connections carry lanes per loop" if cfg.hyper_lanes else
            "injection='iso' acts before loop 1 too" if cfg.injection == 'iso' else
-           "tied routing reads loop 1's experts in the same pass" if cfg.tied_routing else None)
+           "tied routing reads loop 1's experts in the same pass" if cfg.tied_routing else
+           "disjoint routing gives each loop its own experts" if cfg.disjoint_routing else None)
     if why:
         return f"--batch_size > 1 runs rows at different loops in one call, and {why}: use --batch_size=1"
     if kv_policy == 'active':

@@ -114,6 +114,12 @@ def check_model(cfg):
             f"top_k={cfg.top_k} exceeds n_expert={cfg.n_expert}: a token picks at most every expert")
     require(cfg.n_expert or not cfg.tied_routing,
             "tied_routing reuses loop 1's experts: it needs experts (n_expert >= 2)")
+    if cfg.disjoint_routing:
+        share = cfg.n_expert // cfg.n_loop if cfg.n_expert % cfg.n_loop == 0 else 0
+        require(share >= cfg.top_k, f"disjoint_routing gives each of n_loop={cfg.n_loop} loops "
+                f"n_expert/n_loop experts: n_expert={cfg.n_expert} must be a multiple of n_loop with at "
+                f"least top_k={cfg.top_k} each")
+        require(not cfg.tied_routing, "disjoint_routing and tied_routing contradict each other: pick one")
     require(cfg.aux_loss_coef >= 0 and cfg.z_loss_coef >= 0,
             f"aux_loss_coef={cfg.aux_loss_coef!r}, z_loss_coef={cfg.z_loss_coef!r}: must be >= 0")
     return cfg

@@ -77,6 +77,7 @@ class GPTConfig:
     aux_loss_coef: float = 0.01    # weight of the load-balancing loss E sum_i f_i P_i
     z_loss_coef: float = 0.001     # weight of the router z-loss mean(logsumexp(logits)^2)
     tied_routing: bool = False     # loops 2..R reuse loop 1's experts, token by token
+    disjoint_routing: bool = False  # loop k picks among its own E/R experts only (forced divergence)
 
     @property
     def loop_cap(self):
@@ -137,8 +138,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.attn_dropout = config.dropout  # on the attention weights; none after c_proj, as paper 1's code
-        self.attn_impl = config.attn_impl
-        self.n_head = config.n_head
+        self.attn_impl, self.n_head = config.attn_impl, config.n_head
 
     def qkv(self, x, rope=None):
         B, T, C = x.size()
@@ -174,8 +174,7 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.swiglu = config.mlp == 'swiglu'
-        hidden = 4 * config.n_embd
+        self.swiglu, hidden = config.mlp == 'swiglu', 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
@@ -197,18 +196,22 @@ class MoE(nn.Module):
         E, C, k = config.n_expert, config.n_embd, config.top_k
         H = config.expert_hidden or 4 * C // k  # k experts of 4C/k: the dense MLP's active parameters
         self.swiglu, self.top_k = config.mlp == 'swiglu', k
+        self.groups = config.n_loop if config.disjoint_routing else 0  # disjoint: E/R experts a loop
         self.router = nn.Linear(C, E, bias=False)
         # the experts' matrices stacked (E, in, out), each with nn.Linear's default init
         self.c_fc = nn.Parameter(torch.empty(E, C, (1 + self.swiglu) * H).uniform_(-C ** -0.5, C ** -0.5))
         self.c_proj = nn.Parameter(torch.empty(E, H, C).uniform_(-H ** -0.5, H ** -0.5))
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, tied=None):
-        # (y, this visit's Route); tied: loop 1's experts (BT, k), which tied routing reuses (§5)
+    def forward(self, x, tied=None, k=1):
+        # (y, this visit's Route) at loop k; tied: loop 1's experts (BT, k), which tied routing reuses (§5)
         B, T, C = x.size()
         x = x.view(B * T, C)                               # (BT, C): every token routes alone
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32, under AMP too
             logits = self.router(x.float())                # (BT, E)
+        if self.groups:  # disjoint routing: loop k reaches its own E/R experts only
+            group = torch.arange(logits.size(-1), device=x.device) // (logits.size(-1) // self.groups)
+            logits = logits.masked_fill(group != (k - 1) % self.groups, float('-inf'))
         probs = logits.softmax(dim=-1)
         idx = probs.topk(self.top_k, dim=-1).indices if tied is None else tied  # (BT, k)
         w = probs.gather(-1, idx)
@@ -250,16 +253,15 @@ class Block(nn.Module):
         self.alpha = config.alpha       # docs/papers.md §2: alpha = (2N)^p on the skip path
         self.eps = config.branch_scale  # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
-    def forward(self, x, rope=None, kv=None, pos=0, tied=None):
-        # (x after the block, the experts' Route of this visit or None)
+    def forward(self, x, rope=None, kv=None, pos=0, tied=None, k=1):
+        # (x after the block, the experts' Route of this visit or None); k: the loop it runs in
         x = self.pn_1(self.residual(x, self.attn(self.ln_1(x), rope, kv, pos)))
         u = self.ln_2(x)
-        y, route = self.mlp(u, tied) if isinstance(self.mlp, MoE) else (self.mlp(u), None)
+        y, route = self.mlp(u, tied, k) if isinstance(self.mlp, MoE) else (self.mlp(u), None)
         return self.pn_2(self.residual(x, y)), route
 
     def residual(self, x, fx):
-        # alpha * x + eps * f(x). A factor of 1 is left out: exact, and in eager mode on a CPU it
-        # saves a pass over the tensor (~14% of a bf16 block's time when alpha = eps = 1)
+        # alpha * x + eps * f(x); a factor of 1 is left out: exact, and one pass less over the tensor
         return (x if self.alpha == 1 else self.alpha * x) + (fx if self.eps == 1 else self.eps * fx)
 
 
@@ -346,8 +348,7 @@ class GPT(nn.Module):
         init_weights(self)
 
     def get_num_params(self, non_embedding=True):
-        # parameters() yields a shared tensor once: the K layers count once however many loops
-        # run, and the tied head once with the embedding
+        # parameters() yields a shared tensor once: the K layers once for all loops, a tied head once
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding and self.config.pos == 'learned':
             n_params -= self.transformer.wpe.weight.numel()
@@ -358,8 +359,7 @@ class GPT(nn.Module):
         # pos..pos+T-1: (T,), or (B, T) when pos (B,) holds each row's own start (batching.py)
         rows = torch.is_tensor(pos)
         n = (int(pos.max()) if rows else pos) + T
-        assert n <= self.config.block_size, f"cannot forward a sequence of length {n}, block size is only " \
-            f"{self.config.block_size}"
+        assert n <= self.config.block_size, f"{n} positions exceed block_size {self.config.block_size}"
         return torch.arange(T, device=self.lm_head.weight.device) + (pos[:, None] if rows else pos)
 
     def embed(self, idx, pos=0):
@@ -426,7 +426,8 @@ class GPT(nn.Module):
                 for j, block in enumerate(self.transformer.h):  # the same K blocks every round
                     # tied routing (§5): loops 2..R take loop 1's experts, token by token
                     tied = routes[j].idx if cfg.tied_routing and k > 1 else None
-                    x, route = block(x, rope, None if cache is None else cache.slot('loop', j, k), pos, tied)
+                    slot = None if cache is None else cache.slot('loop', j, k)
+                    x, route = block(x, rope, slot, pos, tied, k)
                     routes += [route] if route else []
                 if lanes is not None:  # exit k reads the lanes' sum
                     lanes = self.transformer.lanes.write(lanes, self.transformer.ln_loop(x), k)
@@ -446,8 +447,7 @@ class GPT(nn.Module):
         # docs/papers.md §1: an RMSNorm/LayerNorm readout is scale-invariant, so dL/dh is orthogonal
         # to h and the loss cannot see ||h||. 'raw' shows the scale; 'final_only' at exits 1..R-1,
         # R the loops of this pass (a sampled depth's, in training), by default the trained n_loop
-        cfg = self.config
-        R = cfg.n_loop if R is None else R
+        cfg, R = self.config, self.config.n_loop if R is None else R
         if cfg.readout == 'raw' or (cfg.readout == 'final_only' and k < R):
             return h
         return self.transformer.ln_out(h)
@@ -512,8 +512,7 @@ class GPT(nn.Module):
     def exit_metrics(self, idx, targets, n_loop=None):
         # diagnostics: the CE at every exit 1..R, the mean per-token norm ||h_k|| of every loop, and
         # the experts' (balance, z-loss) of this pass (None when dense)
-        out = self.run(idx, n_loop)
-        W = self.lm_head.weight
+        out, W = self.run(idx, n_loop), self.lm_head.weight
         ce = torch.stack([kernels.cross_entropy_chunked(self.coda_readout(h, k), W, targets)
                           for k, h in enumerate(out.states, start=1)])
         norms = torch.stack([h.float().norm(dim=-1).mean() for h in out.states])

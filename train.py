@@ -116,7 +116,7 @@ block_size = model_args['block_size']  # the context length T, as the model sees
 tokens_per_iter = micro_steps * world_size * batch_size * block_size
 dtype, dtype_note = ops.resolve_dtype(dtype, device_type)  # 'auto' -> what this chip runs fast
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-if device_type == 'cuda':  # allow tf32 on matmul and cudnn
+if device_type == 'cuda' and dtype != 'float32':  # tf32 matmuls, unless float32 was asked for
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 # the forward pass runs under autocast in bf16/fp16; weights, optimizer and loss stay float32
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)

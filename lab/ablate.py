@@ -188,6 +188,13 @@ PRESETS['matched_long'] = dict(
           "10,000 steps",
     arms=[arm(n, f'config/{n}.py', max_iters=10_000, eval_interval=50)
           for n in ('loop_rmsnorm', 'loop_raw', 'loop_final_only', 'loop_penalty')])
+# the penalty's lead over RMSNorm at matched depth, its two arms alone: a rerun with every pair of a seed on
+# one machine (a pair split across CPUs is no evidence)
+PRESETS['matched_pairs'] = dict(
+    PRESETS['matched_long'],
+    title="Paper 1, matched inference depth: the norm penalty against per-loop RMSNorm, each seed's pair on "
+          "one machine",
+    arms=[a for a in PRESETS['matched_long']['arms'] if a['name'] in ('loop_rmsnorm', 'loop_penalty')])
 # Looped-MoE (docs/papers.md §5): dense and MoE, unique (8 layers) and looped (2 layers x 4 loops), at
 # matched active parameters per token (an expert is 4C/k wide) and the same FLOPs per token, on DeepLoop's
 # laptop base with the paper's SwiGLU; each run then read out at every boundary of 2 layers (lab/moe.py)
@@ -203,6 +210,25 @@ PRESETS['moe'] = dict(
           arm('dense_looped', n_layer=2, n_loop=4, **MOE),
           arm('looped_moe', n_layer=2, n_loop=4, **EXPERTS, **MOE),
           arm('looped_moe_tied', n_layer=2, n_loop=4, tied_routing=True, **EXPERTS, **MOE)])
+# the paper's shape (it runs 8 shared layers x 2 loops): 4 x 2 at the same active compute, read out every 4
+# layers, with a second causal arm beside tied routing: disjoint routing forces the loops apart (loop k
+# routes among its own 4 of the 8 experts), so that "divergence helps" predicts forced > free > tied
+PRESETS['moe_4x2'] = dict(
+    PRESETS['moe'], eval_args=['--boundary=4'],
+    title="Looped-MoE at 4 layers x 2 loops: dense vs top-2-of-8 experts, unique vs looped, tied and "
+          "disjoint (forced-divergence) routing",
+    arms=[arm('dense_unique', n_layer=8, n_loop=1, **MOE),
+          arm('moe_unique', n_layer=8, n_loop=1, **EXPERTS, **MOE),
+          arm('dense_looped', n_layer=4, n_loop=2, **MOE),
+          arm('looped_moe', n_layer=4, n_loop=2, **EXPERTS, **MOE),
+          arm('looped_moe_tied', n_layer=4, n_loop=2, tied_routing=True, **EXPERTS, **MOE),
+          arm('looped_moe_disjoint', n_layer=4, n_loop=2, disjoint_routing=True, **EXPERTS, **MOE)])
+# moe_4x2's causal arms alone, free, tied and disjoint routing on one machine and paired by seed, for a
+# machine that cannot run all six arms (a CPU: these are about an hour of cores)
+PRESETS['moe_causal'] = dict(
+    PRESETS['moe_4x2'], title="Looped-MoE at 4 layers x 2 loops, the causal arms: free, tied and disjoint "
+                              "(forced-divergence) routing",
+    arms=[a for a in PRESETS['moe_4x2']['arms'] if a['name'].startswith('looped_moe')])
 # the blind-spot pair under GPT-2's init, where the order of the norms flips (three seeds)
 PRESETS['init_gpt2'] = dict(
     title="Paper 1 under init=gpt2: per-loop RMSNorm vs raw readout, three seeds",

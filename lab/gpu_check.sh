@@ -11,6 +11,13 @@
 #      point is the runs' speed, to size the paper's grid from)
 #   6. (STEPS=depth only) continuous depth batching: bench row 18 at d 512 and d 2048, batch 8 and 32
 #      (batching.serve and today's batched adaptive decoding against fixed R, fp32), about 2 minutes
+#   7. (STEPS=lab only) laptop sweeps whose CPU cost is hours, on the GPU in fp32 (TF32 off), several runs
+#      at once for LAB_SECONDS (default 360): moe_4x2 (18 runs of 1,000 steps) and matched_pairs (the
+#      RMSNorm and penalty arms, 6 runs evaluated at 1,000, 3,000 and 10,000 steps), each compared pair on
+#      this one machine. On an H200 the first took 5.5 min for 15 of its runs, the second 2.9 min to 3,000
+#      steps (assets/runs/*/README.md). Needs data/shakespeare_char (python prepare.py shakespeare_char).
+#      The run folders, less their checkpoints, go to $OUT/lab_runs.tar.gz; a cut-short run resumes from
+#      its folder on a later call (bring the folders back under /tmp/lab, checkpoints included)
 # The training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
 # that has the network (or pass --input path/to/input.txt), and bring data/ along:
 #   python prepare.py shakespeare     # tinyshakespeare in GPT-2 BPE: data/shakespeare, ~300k train tokens
@@ -22,8 +29,8 @@
 # path is taken from the repository root). Each step has its own time limit so one slow step cannot take the
 # others' time (560 s in all: the whole script stays under ~9.5 minutes). STEPS picks steps (default: 1-4):
 # STEPS=moe bash lab/gpu_check.sh is the Looped-MoE check alone, about 3.5 minutes; STEPS=iso is step 5
-# alone, within 5; STEPS=depth is step 6 alone, within 2.5 (steps 5 and 6 are not in the default: either
-# would take the script past 9.5 minutes).
+# alone, within 5; STEPS=depth is step 6 alone, within 2.5; STEPS=lab step 7, within LAB_SECONDS (steps
+# 5-7 are not in the default: any would take the script past 9.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root: train.py, config/, data/
 OUT=${OUT:-gpu_out}
@@ -83,6 +90,22 @@ want iso && timeout 300 $PY lab/isodepth.py --preset=gpu --budgets=2e14,6e14 --w
 #    24 new tokens each, medians of 3)
 want depth && timeout 140 $PY lab/bench.py --device=cuda --only=depth_batching \
   --out="$OUT/bench_depth_cuda.json" 2>&1 | tee "$OUT/bench_depth_cuda.log"
+
+# 7. the lab sweeps on the GPU: both at once, each run a process of its own sharing the one GPU
+if want lab; then
+  LAB=/tmp/lab
+  LAB_SECONDS=${LAB_SECONDS:-360}
+  FP32="--device=${LAB_DEVICE:-cuda} --dtype=float32 --compile=False"
+  # each sweep on 8 cores of its own (taskset): a run's process drives its kernels from one core
+  timeout "$LAB_SECONDS" taskset -c 0-7 $PY lab/ablate.py matched_pairs --workers=6 $FP32 \
+    --out=$LAB/matched_pairs --report_dir=$LAB/reports > "$OUT/lab_matched_pairs.log" 2>&1 &
+  timeout "$LAB_SECONDS" taskset -c 8-15 $PY lab/ablate.py moe_4x2 --workers=6 $FP32 --out=$LAB/moe_4x2 \
+    --report_dir=$LAB/reports > "$OUT/lab_moe_4x2.log" 2>&1 &
+  wait
+  pkill -f 'train.py|eval_depth.py|lab/moe.py'; sleep 5  # runs that outlived their sweep: saved, stopped
+  tar -czf "$OUT/lab_runs.tar.gz" -C "$LAB" --exclude=ckpt.pt --exclude='*.pt' . && ls -la "$OUT"
+  tail -n 3 "$OUT/lab_matched_pairs.log" "$OUT/lab_moe_4x2.log"
+fi
 
 # summary: medians over the logged iterations after the first five (compilation and warm-up left out)
 $PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"

@@ -2,7 +2,7 @@ r"""
 The iso-depth scaling law of Schwethelm et al. 2026 (docs/isodepth.md, docs/papers.md §3): how much one
 recurrence of a looped block is worth, in unique parameters, fitted to a table of training runs.
 
-    python lab/isodepth.py --fit runs.csv                      # phi with its 95 % CI, the law, fit quality
+    python lab/isodepth.py --fit runs.csv                      # phi with its 95 % CI, the law, the tests
     python lab/isodepth.py --fit runs.csv --json fit.json      # the same numbers as JSON
     python lab/isodepth.py --fit runs.csv --starts=100 --resamples=50   # a quicker look
 
@@ -20,19 +20,25 @@ and the fit is
 with a Huber loss (delta 1e-3) on the log residuals, L-BFGS-B from --starts random points in the paper's box
 (a, b in [-5, 35], alpha, beta in [0, 2.5], e in [-3, 2], phi in [-3, 3]; the box bounds the search too),
 the best of them kept: Chinchilla's "approach 3" with phi added. The same fit with phi fixed at 0 and at 1
-says how much the free phi buys. The CI of phi is the percentile interval of --resamples bootstrap refits
-over the (budget, r) cells: whole cells are resampled, not rows, since the runs of a cell share their
-training recipe and their errors. Each refit starts from the full fit's optimum and --boot_starts random
-points. phi is reported "not identified" when that CI is wider than 0.5 (PHI_CI_WIDTH).
+says how much the free phi buys, by the objectives the fits minimise (vs_phi0, vs_phi1): the likelihood
+ratio of the Gaussian model, n log(SSR_fixed / SSR_free) of least-squares refits, with its chi^2 p (1 dof),
+and the bootstrap p of the Huber objective's difference. The CI of phi is the percentile interval of
+--resamples bootstrap refits over the (budget, r) cells: whole cells are resampled, not rows, since the runs
+of a cell share their training recipe and their errors. Each refit starts from the full fit's optimum and
+--boot_starts random points; how many end on an edge of the box is counted per parameter. phi is reported
+"not identified" when that CI is wider than 0.5 (PHI_CI_WIDTH).
 
 The sweep trains such a table here, through lab/ablate.py's runners (local, or --executor=slurm):
 
     python lab/isodepth.py --dry_run                 # the laptop grid's runs and their CPU time
+    python lab/isodepth.py --simulate=6              # its CI on phi, drawn from the law fitted in assets/
     python lab/isodepth.py                           # the paper's model (--case=baseline); report in assets/
     python lab/isodepth.py --case=truncated          # backprop through the last ceil(r/2) loops
     python lab/isodepth.py --case=hyper              # 2-lane hyper-connections (r = 1 shared)
     python lab/isodepth.py --preset=gpu --dry_run    # the paper's grid and its GPU-hours
-    python lab/isodepth.py --report_only             # refit the finished runs, training none
+    python lab/isodepth.py --report_only             # refit the finished runs, training none (with the
+                                                     # runs the report's CSVs recorded, when their folders
+                                                     # are not here)
 
 Iso-depth: prelude + (looped / r) blocks x r + coda, r in {1, 2, 4, 8}, the widths of each FLOP budget, one
 seed per cell and a second on four baseline cells (the run-to-run noise), terminal supervision; a run's
@@ -74,6 +80,8 @@ MIN_CELLS = 6
 # than half of that range cannot tell a loop worth a quarter of a block from one worth three quarters.
 # The paper's simulations: 48 runs at 0.01 nats of noise give about +-0.05, 24 runs no constraint at all
 PHI_CI_WIDTH = 0.5
+EDGE = 1e-4  # a parameter this close to a bound of BOX is on the box's edge
+TEST_STARTS = 2  # random starts of each refit of the tests' bootstrap, besides the two fits' optima
 
 # -----------------------------------------------------------------------------
 # the runs
@@ -162,28 +170,29 @@ def predict(theta, logN_once, logN_rec, logr, logD):
     return pred, np.stack([w1, w2, w3, -w1 * logN, -w2 * logD, dphi])
 
 
-def huber(res):
-    """Huber loss of the residuals (summed) and its derivative, delta = HUBER_DELTA."""
-    small = np.abs(res) <= HUBER_DELTA
-    loss = np.where(small, 0.5 * res ** 2, HUBER_DELTA * (np.abs(res) - 0.5 * HUBER_DELTA))
-    return loss.sum(), np.where(small, res, HUBER_DELTA * np.sign(res))
+def huber(res, delta=HUBER_DELTA):
+    """Huber loss of the residuals (summed) and its derivative; delta = inf: least squares, 0.5 sum res^2."""
+    small = np.abs(res) <= delta
+    loss = np.where(small, 0.5 * res ** 2, delta * (np.abs(res) - 0.5 * delta))
+    return loss.sum(), np.where(small, res, delta * np.sign(res))
 
 
-def scipy_minimize():
+def scipy_optimize():
     # scipy is a lab extra (requirements-dev.txt), imported here so that --help and --dry_run work without it
     try:
-        from scipy.optimize import minimize
+        import scipy.optimize
+        import scipy.stats
     except ImportError:
         die("lab/isodepth.py fits the law with scipy, which is not installed: pip install scipy")
-    return minimize
+    return scipy
 
 
-def fit_once(x, logL, starts, bounds):
-    """The best of L-BFGS-B from each start: (theta, objective)."""
-    minimize = scipy_minimize()
+def fit_once(x, logL, starts, bounds, delta=HUBER_DELTA):
+    """The best of L-BFGS-B from each start: (theta, the objective at theta, sum huber(log residuals))."""
+    minimize = scipy_optimize().optimize.minimize
     def objective(theta):
         pred, grad = predict(theta, *x)
-        loss, dres = huber(pred - logL)
+        loss, dres = huber(pred - logL, delta)
         # divided by delta: the same minimum, gradients of order one for the optimizer's tolerances
         return loss / HUBER_DELTA, grad @ dres / HUBER_DELTA
     best = None
@@ -192,7 +201,7 @@ def fit_once(x, logL, starts, bounds):
                        options=dict(maxiter=1000, ftol=1e-10))
         if best is None or out.fun < best.fun:
             best = out
-    return best.x, best.fun
+    return best.x, float(best.fun * HUBER_DELTA)
 
 
 def random_starts(rng, n, phi=None):
@@ -203,8 +212,18 @@ def random_starts(rng, n, phi=None):
     return starts
 
 
+def bounds_at(phi):
+    """The box, with phi held at a value (equal bounds: L-BFGS-B holds it fixed) unless phi is None."""
+    return BOX if phi is None else (*BOX[:-1], (phi, phi))
+
+
+def on_edge(theta):
+    """The names of the parameters that end on an edge of the box: the box, not the data, stopped them."""
+    return [name for name, v, (lo, hi) in zip(NAMES, theta, BOX) if min(v - lo, hi - v) < EDGE]
+
+
 def quality(theta, x, loss):
-    """R^2 and RMSE (nats) of the fit, on the loss itself."""
+    """R^2 and RMSE (nats) of the fit, on the loss itself: descriptive only (the fit minimises neither)."""
     pred = np.exp(predict(theta, *x)[0])
     ss = ((pred - loss) ** 2).sum()
     return dict(r2=float(1 - ss / ((loss - loss.mean()) ** 2).sum()), rmse=float(math.sqrt(ss / len(loss))))
@@ -215,44 +234,103 @@ def law(theta):
     return dict(named, A=math.exp(named['a']), B=math.exp(named['b']), E=math.exp(named['e']))
 
 
-def bootstrap_phi(runs, x, logL, free, resamples, boot_starts, rng):
-    """phi of each refit to a resample of the (budget, r) cells, and how many resamples held one budget's
-    or one r's cells only. Each refit starts from the full fit's optimum `free` and boot_starts random
-    points."""
+def bootstrap(runs, x, logL, free, resamples, boot_starts, rng):
+    """The parameters of each refit to a resample of the (budget, r) cells (resamples x 6), and how many
+    resamples held one budget's or one r's cells only. Each refit starts from the full fit's optimum `free`
+    and boot_starts random points."""
     ids, budgets, rs = cells(runs)
     rows = [np.flatnonzero(ids == c) for c in range(len(rs))]
-    phis, degenerate = [], 0
+    thetas, degenerate = [], 0
     for _ in range(resamples):
         drawn = rng.integers(len(rs), size=len(rs))
         # such a resample cannot identify phi: its phi is arbitrary and widens the CI, as it should, since
         # the design then rests on few cells. Counted, not dropped
         degenerate += len(set(budgets[drawn])) < 2 or len(set(rs[drawn])) < 2
         take = np.concatenate([rows[c] for c in drawn])
-        theta, _ = fit_once(x[:, take], logL[take], [free, *random_starts(rng, boot_starts)], BOX)
-        phis.append(theta[-1])
-    return np.array(phis), degenerate
+        thetas.append(fit_once(x[:, take], logL[take], [free, *random_starts(rng, boot_starts)], BOX)[0])
+    return np.array(thetas), degenerate
 
 
-def fit(runs, starts=500, resamples=200, boot_starts=20, seed=0):
-    """The law fitted to runs (read_runs' dict): a dict of the free fit's parameters, phi's bootstrap CI,
-    and the quality of the free and the phi = 0 / phi = 1 fits. Stops with one line if phi is not
-    identifiable from these runs at all."""
+def box_edges(thetas):
+    """How many refits ended on each edge of the box, per parameter."""
+    lo, hi = np.array(BOX, float).T
+    low, high = (thetas - lo < EDGE).sum(0), (hi - thetas < EDGE).sum(0)
+    return {name: dict(low=int(low[i]), high=int(high[i])) for i, name in enumerate(NAMES)}
+
+
+def objective_bootstrap(x, logL, fitted, phi, observed, resamples, rng):
+    """p of the Huber objective's difference (phi fixed minus free) under the phi-fixed law: tables drawn from
+    the phi-fixed fit plus the free fit's log residuals resampled with replacement (the noise as the free
+    fit sees it), each refitted both ways from the two optima and TEST_STARTS random points."""
+    null, free = fitted[phi], fitted[None]
+    pred = predict(null, *x)[0]
+    noise = logL - predict(free, *x)[0]
+    hits = 0  # draws whose difference reaches the observed one
+    for _ in range(resamples):
+        y = pred + rng.choice(noise, size=len(noise))
+        t0, h0 = fit_once(x, y, [null, *random_starts(rng, TEST_STARTS, phi)], bounds_at(phi))
+        _, h1 = fit_once(x, y, [free, t0, *random_starts(rng, TEST_STARTS)], BOX)
+        hits += int(h0 - h1 >= observed)
+    return (hits + 1) / (resamples + 1), hits  # the observed table counts as one draw: p is never 0
+
+
+def phi_test(x, logL, fitted, objective, ssr, phi, resamples, rng):
+    """phi = `phi` against the free fit, by the objectives the fits minimise (docs/isodepth.md):
+    statistic: the likelihood ratio of the Gaussian model, n log(SSR_fixed / SSR_free), least-squares refits
+    of log L; p: its chi^2 tail, 1 dof (Wilks); p_boot: the bootstrap p of the Huber objective's
+    difference, the fit's own objective (objective_bootstrap)."""
+    n = len(logL)
+    lr = max(0.0, n * math.log(ssr[phi] / ssr[None]))  # >= 0: the free fits start from the fixed optima
+    observed = objective[phi] - objective[None]
+    p_boot, hits = (objective_bootstrap(x, logL, fitted, phi, observed, resamples, rng) if resamples
+                    else (None, None))
+    return dict(statistic=lr, p=float(scipy_optimize().stats.chi2.sf(lr, 1)), dof=1,
+                objective_ratio=objective[phi] / objective[None], ssr_ratio=ssr[phi] / ssr[None],
+                p_boot=p_boot, boot_hits=hits, boot_resamples=resamples)
+
+
+def fit(runs, starts=500, resamples=200, boot_starts=20, seed=0, test_resamples=None):
+    """The law fitted to runs (read_runs' dict): a dict of the free fit's parameters, phi's bootstrap CI and
+    how many refits ended on the box's edges, the tests of phi = 0 and phi = 1 against the free fit
+    (vs_phi0, vs_phi1: phi_test, whose bootstrap draws test_resamples tables, by default `resamples`; 0
+    skips it), and the free and fixed fits' parameters, objectives and (descriptive) R^2 and RMSE. Stops
+    with one line if phi is not identifiable from these runs at all."""
     why = not_identified(runs)
     if why:
         die(f"phi is not identified: {why}")
     rng = np.random.default_rng(seed)
     x = np.log(np.stack([runs['n_once'], runs['n_rec'], runs['r'], runs['tokens']]))
     logL = np.log(runs['loss'])
-    thetas, fits = {}, {}
-    for name, phi in (('free', None), ('phi=0', 0.0), ('phi=1', 1.0)):
-        bounds = BOX if phi is None else (*BOX[:-1], (phi, phi))  # equal bounds: L-BFGS-B holds phi fixed
-        thetas[name], _ = fit_once(x, logL, random_starts(rng, starts, phi), bounds)
-        fits[name] = dict(quality(thetas[name], x, runs['loss']), **law(thetas[name]))
-    phis, degenerate = bootstrap_phi(runs, x, logL, thetas['free'], resamples, boot_starts, rng)
+    thetas, objective = {}, {}
+    for phi in (None, 0.0, 1.0):
+        thetas[phi], objective[phi] = fit_once(x, logL, random_starts(rng, starts, phi), bounds_at(phi))
+    # the free fit is no worse than a fixed one: released from their optima too. No random draws here, so the
+    # bootstrap below draws what it drew before the tests existed
+    released = fit_once(x, logL, [thetas[0.0], thetas[1.0]], BOX)
+    if released[1] < objective[None]:
+        thetas[None], objective[None] = released
+    boot, degenerate = bootstrap(runs, x, logL, thetas[None], resamples, boot_starts, rng)
+    phis = boot[:, -1]
     lo, hi = (float(v) for v in np.percentile(phis, [2.5, 97.5]))
-    out = dict(law(thetas['free']), phi_ci=[lo, hi], identified=hi - lo <= PHI_CI_WIDTH, fits=fits,
-               n_runs=len(logL), n_cells=len(cells(runs)[2]), degenerate_resamples=degenerate,
-               phi_boot=[round(float(p), 4) for p in phis],
+    # the tests draw from a stream of their own. The Gaussian model of the same law, for the likelihood
+    # ratio: least squares on log L, from the Huber optimum (and, free, from the fixed least-squares optima)
+    # and a fifth as many random starts
+    rng = np.random.default_rng([seed, 1])
+    ls, ssr = {}, {}
+    for phi in (0.0, 1.0, None):
+        seeds = [thetas[phi]] + ([] if phi is not None else [ls[0.0], ls[1.0]])
+        ls[phi], half = fit_once(x, logL, [*seeds, *random_starts(rng, max(1, starts // 5), phi)],
+                                 bounds_at(phi), delta=np.inf)
+        ssr[phi] = 2 * half
+    fits = {name: dict(quality(thetas[phi], x, runs['loss']), objective=objective[phi], ssr=ssr[phi],
+                       on_edge=on_edge(thetas[phi]), **law(thetas[phi]))
+            for name, phi in (('free', None), ('phi=0', 0.0), ('phi=1', 1.0))}
+    draws = resamples if test_resamples is None else test_resamples
+    tests = {f'vs_phi{phi:g}': phi_test(x, logL, thetas, objective, ssr, phi, draws, rng)
+             for phi in (0.0, 1.0)}
+    out = dict(law(thetas[None]), phi_ci=[lo, hi], identified=hi - lo <= PHI_CI_WIDTH, **tests, fits=fits,
+               box_edges=box_edges(boot), n_runs=len(logL), n_cells=len(cells(runs)[2]),
+               degenerate_resamples=degenerate, phi_boot=[round(float(p), 4) for p in phis],
                starts=starts, resamples=resamples, boot_starts=boot_starts, seed=seed)
     out['phi_fit'] = out['phi']
     if not out['identified']:
@@ -270,12 +348,15 @@ PAPER_PHI = dict(baseline=0.459, truncated=0.380, hyper=0.646)  # the paper's po
 # the evaluations after step 0 (the last gives the loss; more leave checkpoints to resume from)
 SWEEPS = {
     # 4 widths x 3 budgets x 4 r = 48 runs (docs/isodepth.md: the design that constrains phi), + 4 noise runs.
-    # The widths move up with the budget, as the paper's do, so the widest model of a budget still trains
-    # ~120 steps or more. Measured on a 2-vCPU EPYC, one core per run: ~10 GFLOP/s at d 32, 20 at d 48,
-    # 25-30 at d 64-128, so about 2 core-hours in all (--dry_run --cpu_gflops=18 for this plan)
+    # Each budget's widths bracket the minimum over width that the first grid's fit puts at d 16-24 (that
+    # grid, d 32-128 at 7.5e11-6e12, saw the loss rise with width in all 12 (budget, r) groups; its runs stay
+    # in assets/isodepth_baseline.csv and in the fit). Chosen among four grids simulated from that fit for
+    # the narrowest CI on phi (docs/isodepth.md, "Planning the grid"). cpu_gflops: the speeds measured on a
+    # 2-vCPU EPYC, one core per run, at these widths; a narrower model's step is its ops' overhead, ~0.1 s
     'laptop': dict(base='config/laptop_isodepth.py', prelude=1, looped=8, coda=1, head=16,
-                   grid={7.5e11: (32, 48, 64, 80), 2.25e12: (32, 48, 64, 96), 6e12: (48, 64, 96, 128)},
-                   rs=(1, 2, 4, 8), seeds=(1, 2), evals=1),
+                   grid={2.5e11: (8, 12, 16, 24), 7.5e11: (12, 16, 24, 32), 2.25e12: (16, 24, 32, 48)},
+                   rs=(1, 2, 4, 8), seeds=(1, 2), evals=1,
+                   cpu_gflops={32: 10, 48: 20, 64: 25, 128: 30}, min_step_s=0.1),
     # the paper's grid: d = 64 s (heads of 128), s per budget as its scripts (shells/scaling_laws), 2 + 16 + 2
     'gpu': dict(base='config/isodepth_gpu.py', prelude=2, looped=16, coda=2, head=128,
                 grid={4.64e17: (384, 512, 640, 768), 1e18: (384, 512, 640, 768, 896),
@@ -289,8 +370,8 @@ def case_arm(case, width, budget, r, sw):
     """The arm of one run: config/isodepth.py (+ the hyper-connections file), its sizes and its case's keys.
     r = 1 is the shared baseline of 20 (here prelude + looped + coda) unique blocks without injection."""
     files = ['config/isodepth.py'] + (['config/isodepth_hyper.py'] if case == 'hyper' and r > 1 else [])
-    over = dict(n_embd=width, n_head=width // sw['head'], n_prelude=sw['prelude'], n_layer=sw['looped'] // r,
-                n_loop=r, n_coda=sw['coda'])
+    over = dict(n_embd=width, n_head=n_heads(width, sw['head']), n_prelude=sw['prelude'],
+                n_layer=sw['looped'] // r, n_loop=r, n_coda=sw['coda'])
     if r == 1:
         over.update(injection='none', inter_loop_norm='none')
     elif case == 'truncated':
@@ -298,6 +379,13 @@ def case_arm(case, width, budget, r, sw):
     case = 'baseline' if r == 1 else case
     return arm(f"{case}-d{width}-b{budget:.3g}-r{r}", *files,
                tags=dict(case=case, width=width, budget=budget, r=r), **over)
+
+
+def n_heads(width, head):
+    """The head count whose heads are nearest `head` channels, among those that split width into even heads
+    (RoPE rotates pairs): d 24 with heads of 16 gets 2 heads of 12. None if width is odd."""
+    counts = [n for n in range(1, width + 1) if width % n == 0 and (width // n) % 2 == 0]
+    return min(counts, key=lambda n: (abs(width / n - head), n)) if counts else None
 
 
 def grid(sw, args):
@@ -332,8 +420,8 @@ def check_grid(sw, args):
         die(f"--budgets={','.join(f'{b:g}' for b in budgets)}: one FLOP budget cannot identify phi (D is "
             f"then fixed by the model's size, collinear with width): give at least two")
     for w, _ in grid(sw, args):
-        if w % sw['head']:
-            die(f"--widths: {w} is not a multiple of the {args.preset} preset's head size {sw['head']}")
+        if n_heads(w, sw['head']) is None:
+            die(f"--widths: {w} is odd: RoPE needs an even head size, so widths must be even")
 
 
 def plan_sweep(sw, args, cases=CASES):
@@ -376,6 +464,100 @@ def resolve_job(job, base, args, defaults, steps):
     return job['cfg']
 
 
+# -----------------------------------------------------------------------------
+# planning a grid before training it: its CPU time, the CI it would give phi, where its minima lie
+
+
+def cpu_hours(jobs, sw):
+    """Core-hours of training at the preset's measured per-width speeds: a step takes its FLOPs at its
+    width's rate (sw['cpu_gflops'], interpolated in log width, flat past the ends) and no less than
+    sw['min_step_s'], the step time measured at d 32 and d 48 (a narrower step is its ops' overhead)."""
+    widths, gflops = zip(*sorted(sw['cpu_gflops'].items()))
+    seconds = 0.0
+    for j in jobs:
+        steps = j['cfg']['max_iters']
+        rate = 1e9 * np.interp(math.log(j['arm']['tags']['width']), np.log(widths), gflops)
+        seconds += steps * max(estimate(j['cfg'])[1] / steps / rate, sw['min_step_s'])
+    return seconds / 3600
+
+
+def design(jobs, case='baseline'):
+    """The --fit columns of a case's planned runs, without losses: n_once, n_rec, r, tokens, budget, and the
+    width (for the minima over width)."""
+    cols = {c: [] for c in ('n_once', 'n_rec', 'r', 'tokens', 'budget', 'width')}
+    for j in jobs:
+        if case in j['cases']:
+            t = j['arm']['tags']
+            for c, v in zip(cols, (*param_counts(meta_model(j['cfg'])), t['r'], estimate(j['cfg'])[0],
+                                   t['budget'], t['width'])):
+                cols[c].append(v)
+    return {c: np.array(v, float) for c, v in cols.items()}
+
+
+def law_loss(truth, runs):
+    """The law's loss (nats) at the runs' sizes; truth holds A, alpha, B, beta, E, phi (a fit's dict)."""
+    n_eff = runs['n_once'] + runs['r'] ** truth['phi'] * runs['n_rec']
+    return truth['E'] + truth['A'] * n_eff ** -truth['alpha'] + truth['B'] * runs['tokens'] ** -truth['beta']
+
+
+def interior_minima(runs, loss):
+    """{(budget, r): whether the lowest loss over width lies strictly inside the widths tried}: where it
+    does, the iso-FLOP curve is bracketed and its parameter term seen from both sides."""
+    inside = {}
+    for budget, r in sorted({(b, r) for b, r in zip(runs['budget'], runs['r'])}):
+        at = (runs['budget'] == budget) & (runs['r'] == r)
+        widths = runs['width'][at]
+        best = widths[np.argmin(loss[at])]
+        inside[(float(budget), int(r))] = bool(widths.min() < best < widths.max())
+    return inside
+
+
+def simulate(jobs, truth, noise_std, draws, starts, resamples, boot_starts, seed=0):
+    """The baseline's planned runs drawn `draws` times from the law `truth` plus Gaussian noise of noise_std
+    nats, each table fitted as a real one (docs/isodepth.md, "The fitter, tested"): the CI this grid would
+    give phi, and its groups' minima over width, of the law and of the draws."""
+    runs = design(jobs)
+    clean = law_loss(truth, runs)
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in range(draws):
+        noisy = dict(runs, loss=clean + noise_std * rng.standard_normal(len(clean)))
+        res = fit(noisy, starts, resamples, boot_starts, seed + d, test_resamples=0)
+        inside = sum(interior_minima(noisy, noisy['loss']).values())
+        out.append(dict(phi=res['phi_fit'], phi_ci=res['phi_ci'], identified=res['identified'],
+                        p_phi1=res['vs_phi1']['p'], interior=inside))
+    return dict(n_runs=len(clean), law_interior=interior_minima(runs, clean), draws=out,
+                ci_width=float(np.mean([d['phi_ci'][1] - d['phi_ci'][0] for d in out])))
+
+
+def print_simulation(jobs, sw, args):
+    """--simulate: the plan's CI on phi, drawn from the law the last report fitted, and its CPU time."""
+    fitted = read_json(os.path.join(args.report_dir, 'isodepth.json'), {})
+    truth, noise_std = fitted.get('cases', {}).get('baseline', {}), fitted.get('noise', {}).get('std')
+    if truth.get('phi_fit') is None or noise_std is None:
+        die(f"--simulate draws from the law fitted in {args.report_dir}/isodepth.json, which has no baseline "
+            f"fit or no noise: run the sweep (or --report_only) first")
+    truth = dict(truth, phi=args.simulate_phi if args.simulate_phi is not None else truth['phi_fit'])
+    res = simulate(jobs, truth, noise_std, args.simulate, args.starts, args.resamples, args.boot_starts,
+                   args.seed)
+    print(f"{args.preset}: {res['n_runs']} baseline runs drawn {args.simulate} times from the law of "
+          f"{args.report_dir}/isodepth.json (phi {truth['phi']:.3f}, alpha {truth['alpha']:.3f}, beta "
+          f"{truth['beta']:.3f}, E {truth['E']:.3f} nats) + {noise_std:.4f} nats of noise, each fitted with "
+          f"{args.starts} starts and {args.resamples} resamples:")
+    for i, d in enumerate(res['draws'], 1):
+        lo, hi = d['phi_ci']
+        print(f"  draw {i}: phi {d['phi']:.3f}, 95 % CI [{lo:.3f}, {hi:.3f}] (width {hi - lo:.3f}); phi = 1 "
+              f"p {d['p_phi1']:.2g}; {d['interior']} groups with an interior minimum")
+    inside = [f"{b:.3g} r {r}" for (b, r), yes in res['law_interior'].items() if yes]
+    print(f"mean CI width {res['ci_width']:.3f}; (budget, r) groups with an interior minimum over width: "
+          f"{len(inside)} of {len(res['law_interior'])} in the law ({', '.join(inside) or 'none'}), "
+          f"{np.mean([d['interior'] for d in res['draws']]):.1f} in the draws on average")
+    if 'cpu_gflops' in sw:
+        print(f"training: ~{cpu_hours(jobs, sw):.1f} core-hours at the preset's per-width speeds "
+              f"(docs/isodepth.md)")
+    return res
+
+
 def run_table(jobs):
     """The finished runs, one dict each: case tags, n_once, n_rec, r, tokens, loss (the final val loss) and
     budget, the columns of --fit."""
@@ -392,12 +574,35 @@ def run_table(jobs):
     return rows
 
 
+def recorded_runs(report_dir, found):
+    """The runs the last report fitted, read back from its isodepth_<case>.csv tables, less those whose
+    folder is here (`found`, by name): the committed tables are the record of runs trained on another
+    machine or on a grid the preset no longer plans, so a refit keeps them."""
+    rows, kinds = {}, dict(n_once=int, n_rec=int, r=int, tokens=int, loss=float, budget=float, width=int,
+                           seed=int, steps=int)
+    for case in CASES:
+        path = os.path.join(report_dir, f'isodepth_{case}.csv')
+        if not os.path.isfile(path):
+            continue
+        with open(path, newline='', encoding='utf-8') as f:
+            for rec in csv.DictReader(f):
+                row = {k: kind(float(rec[k])) if kind is int else kind(rec[k]) for k, kind in kinds.items()}
+                row['case'] = rec['case']
+                row['name'] = f"{row['case']}-d{row['width']}-b{row['budget']:.3g}-r{row['r']}-s{row['seed']}"
+                row['cases'] = list(CASES) if row['r'] == 1 else [row['case']]
+                if row['name'] not in found:
+                    rows.setdefault(row['name'], row)
+    return list(rows.values())
+
+
 def fit_case(rows, args):
-    """The fit of one case's runs (its own and the shared r = 1 runs), or why phi cannot be read."""
+    """The fit of one case's runs (its own and the shared r = 1 runs), or why phi cannot be read: then the
+    fields of a fit are there, null (phi, its CI and the two tests are not tested, not zero)."""
     runs = {c: np.array([row[c] for row in rows], float) for c in (*COLUMNS, 'budget')}
     why = not_identified(runs) if rows else 'no finished run'
     if why:
-        return dict(error=why, n_runs=len(rows))
+        untested = dict(statistic=None, p=None, why=f"not tested: {why}")
+        return dict(error=why, n_runs=len(rows), phi=None, phi_ci=None, vs_phi0=untested, vs_phi1=untested)
     return fit(runs, args.starts, args.resamples, args.boot_starts, args.seed)
 
 
@@ -420,19 +625,30 @@ def write_csv(path, rows, columns=(*COLUMNS, 'budget', 'case', 'width', 'seed', 
 
 def sweep_report(jobs, args, sweep_info):
     """<report_dir>/isodepth.md, isodepth.json, isodepth_<case>.csv (the --fit table of each case) and the
-    plots, from the runs finished so far."""
+    plots, from the runs finished so far: those in <out>, and those the last report recorded
+    (recorded_runs). Without <out>/sweep.json the last report's training call is kept."""
     os.makedirs(args.report_dir, exist_ok=True)
+    previous = read_json(os.path.join(args.report_dir, 'isodepth.json'), {})
+    sweep_info = sweep_info or previous.get('sweep', {})
     rows = run_table(jobs)
+    rows += recorded_runs(args.report_dir, {row['name'] for row in rows})
     out = dict(preset=args.preset, command=sweep_info.get('command') or args.command, commit=code_version(),
-               cases={}, noise=noise(rows), runs=rows)
+               sweep=sweep_info, cases={}, noise=noise(rows), runs=rows)
     for case in CASES:
         case_rows = [row for row in rows if case in row['cases']]
         write_csv(os.path.join(args.report_dir, f'isodepth_{case}.csv'), case_rows)
-        planned = sum(case in j['cases'] for j in jobs)
-        out['cases'][case] = dict(fit_case(case_rows, args), planned=planned, finished=len(case_rows))
+        planned = {j['name'] for j in jobs if case in j['cases']}
+        finished = sum(row['name'] in planned for row in case_rows)
+        table = {c: np.array([row[c] for row in case_rows], float) for c in ('budget', 'r', 'width', 'loss')}
+        inside = interior_minima(table, table['loss']).values() if case_rows else []
+        out['cases'][case] = dict(fit_case(case_rows, args), planned=len(planned), finished=finished,
+                                  earlier=len(case_rows) - finished,
+                                  interior_minima=[sum(inside), len(inside)])
+    for case, (claim, word, _) in verdicts(out['cases']).items():
+        out['cases'][case].update(claim=claim, verdict=word)
     with open(os.path.join(args.report_dir, 'isodepth.json'), 'w', encoding='utf-8') as f:
         json.dump(out, f, indent=1)
-    lines = report_lines(out, jobs, sweep_info) + plots(out, args.report_dir)
+    lines = report_lines(out, jobs) + plots(out, args.report_dir)
     path = os.path.join(args.report_dir, 'isodepth.md')
     with open(path, 'w', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
@@ -440,17 +656,31 @@ def sweep_report(jobs, args, sweep_info):
     return out
 
 
+def runs_cell(res):
+    """The report's count of a case's runs: finished of planned, and the earlier grids' runs fitted too."""
+    earlier = f" + {res['earlier']} earlier" if res.get('earlier') else ''
+    return f"{res['finished']}/{res['planned']}{earlier}"
+
+
 def phi_cells(res):
-    """The report's cells of one case: phi, its CI, the law, the fits' R^2 and RMSE (one format for the
-    markdown and the test that reads it back)."""
+    """The report's cells of one case: phi, its CI, the law, the p of the tests of phi = 0 and phi = 1 and
+    the RMSE (one format for the markdown and the test that reads it back)."""
     if 'error' in res:
-        return [f"not fitted: {res['error']}"] + [''] * 6
+        return [f"not fitted: {res['error']}"] + [''] * 7
     lo, hi = res['phi_ci']
     phi = fmt(res['phi']) if res['identified'] else f"not identified ({fmt(res['phi_fit'])})"
-    q = res['fits']
-    r2 = ' / '.join(fmt(q[k]['r2'], '.4f') for k in ('free', 'phi=0', 'phi=1'))
-    return [phi, f"[{fmt(lo)}, {fmt(hi)}]", fmt(res['alpha']), fmt(res['beta']), fmt(res['E']), r2,
-            fmt(q['free']['rmse'], '.4f')]
+    return [phi, f"[{fmt(lo)}, {fmt(hi)}]", fmt(res['alpha']), fmt(res['beta']), fmt(res['E']),
+            fmt(res['vs_phi0']['p'], '.2g'), fmt(res['vs_phi1']['p'], '.2g'),
+            fmt(res['fits']['free']['rmse'], '.4f')]
+
+
+def test_cells(t):
+    """A test's cells: the Huber objective against the free fit's, the likelihood ratio and its p, the
+    bootstrap p of the objective's difference (phi_test)."""
+    boot = 'n/a' if t['p_boot'] is None else \
+        f"{fmt(t['p_boot'], '.2g')} ({t['boot_hits']} of {t['boot_resamples']} draws reach it)"
+    return [f"x{fmt(t['objective_ratio'])}", f"x{fmt(t['ssr_ratio'])}", fmt(t['statistic'], '.2f'),
+            fmt(t['p'], '.2g'), boot]
 
 
 def ci_overlap(a, b):
@@ -459,65 +689,101 @@ def ci_overlap(a, b):
     return max(0.0, inter) / max(min(a[1] - a[0], b[1] - b[0]), 1e-12)
 
 
+CLAIMS = {'baseline': 'a loop is worth part of a unique block (0 < phi < 1)',
+          'truncated': 'truncated backprop lowers phi', 'hyper': 'hyper-connections raise phi'}
+
+
 def verdicts(cases):
-    """The "### Verdicts" lines (the project's vocabulary, docs/results.md) from the cases' fits. One seed
-    per (budget, r) cell: the bootstrap CI over cells is the spread these verdicts rest on."""
-    base = cases.get('baseline', {})
-    lines = ["### Verdicts", ""]
+    """{case: (claim, verdict, why)} in the project's vocabulary (docs/results.md) from the cases' fits. One
+    seed per (budget, r) cell: the bootstrap CI over cells is the spread these verdicts rest on; the tests
+    of phi = 0 and 1 are stated beside it, not in the rule (they take the runs' errors as independent)."""
+    base, out = cases.get('baseline', {}), {}
     if base.get('phi') is None:
         why = base.get('error') or 'its 95 % CI is wider than %g' % PHI_CI_WIDTH
-        lines.append(f"- a loop is worth part of a unique block (0 < phi < 1): not tested (1 seed); phi is "
-                     f"not identified: {why}")
+        out['baseline'] = (CLAIMS['baseline'], 'not tested', f"phi is not identified: {why}")
     else:
         lo, hi = base['phi_ci']
         word = ('reproduces' if 0 < lo and hi < 1 else 'direction only' if 0 < base['phi'] < 1
                 else 'does not reproduce')
-        q = base['fits']
-        lines.append(f"- a loop is worth part of a unique block (0 < phi < 1): {word} (1 seed); phi "
-                     f"{fmt(base['phi'])}, 95 % CI [{fmt(lo)}, {fmt(hi)}]; R^2 {fmt(q['free']['r2'], '.4f')} "
-                     f"free, {fmt(q['phi=0']['r2'], '.4f')} at phi = 0, {fmt(q['phi=1']['r2'], '.4f')} at "
-                     f"phi = 1; reproduces if the CI lies inside (0, 1), direction only if the point "
-                     f"fit does")
-    for case, claim, sign in (('truncated', 'truncated backprop lowers phi', -1),
-                              ('hyper', 'hyper-connections raise phi', +1)):
+        tests = '; '.join(f"against phi = {phi}: objective x{fmt(t['objective_ratio'])}, likelihood ratio "
+                          f"{fmt(t['statistic'], '.2f')}, p {fmt(t['p'], '.2g')}"
+                          for phi, t in ((0, base['vs_phi0']), (1, base['vs_phi1'])))
+        out['baseline'] = (CLAIMS['baseline'], word,
+                           f"phi {fmt(base['phi'])}, 95 % CI [{fmt(lo)}, {fmt(hi)}]; {tests}; reproduces if "
+                           f"the CI lies inside (0, 1), direction only if the point fit does")
+    for case, sign in (('truncated', -1), ('hyper', +1)):
         res = cases.get(case, {})
         if base.get('phi') is None or res.get('phi') is None:
             why = res.get('error') or ('phi not identified' if res else 'the case has not run')
-            lines.append(f"- {claim}: not tested (1 seed); {why}")
+            out[case] = (CLAIMS[case], 'not tested', why)
             continue
         d = sign * (res['phi'] - base['phi'])
         apart = (res['phi_ci'][0] > base['phi_ci'][1]) if sign > 0 else (res['phi_ci'][1] < base['phi_ci'][0])
         word = 'reproduces' if apart else 'direction only' if d > 0 else 'does not reproduce'
-        lines.append(f"- {claim}: {word} (1 seed); phi {fmt(res['phi'])} [{fmt(res['phi_ci'][0])}, "
-                     f"{fmt(res['phi_ci'][1])}] against the baseline's {fmt(base['phi'])}; the CIs overlap "
-                     f"over {fmt(ci_overlap(res['phi_ci'], base['phi_ci']), '.2f')} of the narrower; "
-                     f"reproduces if the CIs are apart in the claimed order, direction only if the "
-                     f"points are")
-    return lines + [""]
+        out[case] = (CLAIMS[case], word,
+                     f"phi {fmt(res['phi'])} [{fmt(res['phi_ci'][0])}, {fmt(res['phi_ci'][1])}] against the "
+                     f"baseline's {fmt(base['phi'])}; the CIs overlap over "
+                     f"{fmt(ci_overlap(res['phi_ci'], base['phi_ci']), '.2f')} of the narrower; reproduces "
+                     f"if the CIs are apart in the claimed order, direction only if the points are")
+    return out
 
 
-def report_lines(out, jobs, sweep_info):
+def verdict_lines(cases):
+    """The "### Verdicts" block of the report."""
+    return ["### Verdicts", ""] + [f"- {claim}: {word} (1 seed); {why}"
+                                   for claim, word, why in verdicts(cases).values()] + [""]
+
+
+def report_lines(out, jobs):
     cfg = jobs[0]['cfg']
-    n = out['noise']
+    n, sw = out['noise'], out['sweep']
+    fitted = {case: res for case, res in out['cases'].items() if 'error' not in res}
     lines = ["## The iso-depth law: phi of the paper's looped model and its two case studies", "",
              f"`{out['command']}`: preset {out['preset']}; {cfg['dataset']}, block {cfg['block_size']}, "
              f"batch {cfg['batch_size']}x{cfg['gradient_accumulation_steps']}, {cfg['lr_schedule']} lr "
-             f"{cfg['learning_rate']:g}; code {out['commit']}. Wall time of the last call: "
-             f"{fmt(sweep_info.get('wall_seconds', 0) / 60, '.1f')} min.", "",
-             "<!-- from isodepth.json: each case fitted with lab/isodepth.py's fit -->",
-             "| case | runs | phi | 95 % CI | alpha | beta | E (nats) | R^2 free / phi=0 / phi=1 | "
-             "RMSE free | paper |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{cfg['learning_rate']:g}; runs trained at code {sw.get('commit', 'unknown')}, fitted at code "
+             f"{out['commit']}. Wall time of the training call: "
+             f"{fmt(sw.get('wall_seconds', 0) / 60, '.1f')} min.", "",
+             "<!-- from isodepth.json: each case fitted with lab/isodepth.py's fit; p of the "
+             "likelihood-ratio tests of phi = 0 and phi = 1 -->",
+             "| case | runs | phi | 95 % CI | alpha | beta | E (nats) | p, phi = 0 | p, phi = 1 | "
+             "RMSE free | paper |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, res in out['cases'].items():
-        lines.append(f"| {case} | {res['finished']}/{res['planned']} | " + ' | '.join(phi_cells(res)) +
+        lines.append(f"| {case} | {runs_cell(res)} | " + ' | '.join(phi_cells(res)) +
                      f" | {PAPER_PHI[case]} |")
+    lines += ["", "phi fixed against phi free, by the objectives the fits minimise (docs/isodepth.md): the "
+              "Huber objective of the fixed fit against the free fit's; the same for least squares on log L, "
+              "whose likelihood ratio under the Gaussian model, n log(SSR fixed / SSR free), has the chi^2 "
+              "tail of 1 dof; and the bootstrap p of the Huber objective's difference, tables drawn from "
+              "the fixed fit with the free fit's residuals.", "",
+              "<!-- from isodepth.json: vs_phi0, vs_phi1 of each fitted case -->",
+              "| case | phi fixed at | Huber objective | least squares | likelihood ratio | "
+              "p (chi^2, 1 dof) | p (bootstrap) |", "|---|---|---|---|---|---|---|"]
+    for case, res in fitted.items():
+        for phi in (0, 1):
+            lines.append(f"| {case} | {phi} | " + ' | '.join(test_cells(res[f'vs_phi{phi}'])) + " |")
+    lines += ["", "Fits that ended on an edge of the box, per parameter: the cell bootstrap's refits "
+              "(low/high edge) and the three full fits. The box is the paper's; docs/isodepth.md says why it "
+              "is not widened.", "",
+              "<!-- from isodepth.json: box_edges and fits[...].on_edge of each fitted case -->",
+              "| case | resamples | " + ' | '.join(NAMES) + " | on an edge: free / phi = 0 / phi = 1 |",
+              "|---|---|" + "---|" * len(NAMES) + "---|"]
+    for case, res in fitted.items():
+        edges = [f"{res['box_edges'][k]['low']}/{res['box_edges'][k]['high']}" for k in NAMES]
+        full = ' / '.join(', '.join(res['fits'][k]['on_edge']) or 'none' for k in ('free', 'phi=0', 'phi=1'))
+        lines.append(f"| {case} | {res['resamples']} | " + ' | '.join(edges) + f" | {full} |")
+    inside = ', '.join(f"{case} {res['interior_minima'][0]} of {res['interior_minima'][1]}"
+                       for case, res in out['cases'].items())
     lines += ["", f"Run-to-run noise: {n['pairs']} seed pair(s), per-run std "
-              f"{fmt(n['std'], '.4f')} nats (RMS of the pairs' differences / sqrt 2).", "",
+              f"{fmt(n['std'], '.4f')} nats (RMS of the pairs' differences / sqrt 2). (budget, r) groups "
+              f"whose lowest loss lies strictly inside the widths tried (a bracketed minimum over width): "
+              f"{inside}.", "",
               "<!-- from isodepth.json: the finished runs -->",
               "| run | n_once | n_rec | r | steps | tokens | val loss |", "|---|---|---|---|---|---|---|"]
     for row in out['runs']:
         lines.append(f"| {row['name']} | {row['n_once']:,} | {row['n_rec']:,} | {row['r']} | "
                      f"{row['steps']:,} | {row['tokens']:,} | {fmt(row['loss'], '.4f')} |")
-    return lines + [""] + verdicts(out['cases'])
+    return lines + [""] + verdict_lines(out['cases'])
 
 
 def plots(out, report_dir):
@@ -577,12 +843,19 @@ def sweep(args):
     sw = SWEEPS[args.preset]
     args.rs = args.rs or list(sw['rs'])
     check_grid(sw, args)
+    if args.simulate:
+        return print_simulation(plan_sweep(sw, args, ('baseline',)), sw, args)
     jobs = plan_sweep(sw, args, args.case if args.dry_run else CASES)  # the report reads every case's runs
     todo = [j for j in jobs if set(j['cases']) & set(args.case)]
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     if args.dry_run:
         print(f"{args.preset}: {len(todo)} runs of case(s) {', '.join(args.case)}")
         dry_run(todo, launcher, args)
+        if 'cpu_gflops' in sw and not args.base:
+            rates = ', '.join(f'{g:g} at d {w}' for w, g in sorted(sw['cpu_gflops'].items()))
+            print(f"at the per-width speeds measured for this preset (docs/isodepth.md: {rates} GFLOP/s a "
+                  f"core, a step no shorter than {sw['min_step_s']:g} s): ~{cpu_hours(todo, sw):.1f} "
+                  f"core-hours")
         return None
     if not args.report_only:
         run_sweep(todo, dict(eval_depth=False), launcher, args)  # the final val loss is all the law needs
@@ -602,9 +875,17 @@ def report(res):
               f"{res['phi_fit']:.3f} is not a measurement); more runs, budgets or values of r needed")
     print(f"alpha {res['alpha']:.3f}, beta {res['beta']:.3f}, E {res['E']:.3f} nats, A {res['A']:.4g}, "
           f"B {res['B']:.4g}  ({res['n_runs']} runs, best of {res['starts']} starts)")
-    print(f"{'fit':<10} {'R^2':>8} {'RMSE (nats)':>12}")
+    print(f"{'fit':<10} {'Huber obj.':>11} {'SSR log L':>10} {'LR':>7} {'p (chi^2)':>10} {'p (boot)':>9} "
+          f"{'RMSE (nats)':>12}  on the box's edge")
     for name, q in res['fits'].items():
-        print(f"{name:<10} {q['r2']:>8.4f} {q['rmse']:>12.4f}")
+        t = res.get('vs_' + name.replace('=', ''), {})
+        boot = '' if t.get('p_boot') is None else f"{t['p_boot']:.2g}"
+        lr = f"{t['statistic']:>7.2f} {t['p']:>10.2g}" if t else f"{'':>7} {'':>10}"
+        print(f"{name:<10} {q['objective']:>11.4g} {q['ssr']:>10.4g} {lr} {boot:>9} {q['rmse']:>12.4f}  "
+              f"{', '.join(q['on_edge']) or '-'}")
+    edges = ', '.join(f"{k} {v['low']}/{v['high']}" for k, v in res['box_edges'].items()
+                      if v['low'] + v['high'])
+    print(f"bootstrap refits on the box's edge (low/high): {edges or 'none'}")
 
 
 def parser():
@@ -628,6 +909,11 @@ def parser():
     ap.add_argument('--boot_starts', type=int, default=20,
                     help="random starts of each bootstrap refit, besides the full fit's optimum")
     ap.add_argument('--seed', type=int, default=0, help='of the random starts and the resampling')
+    ap.add_argument('--simulate', type=int, default=0, metavar='DRAWS',
+                    help="train nothing: draw the grid's baseline runs DRAWS times from the law fitted in "
+                         "<report_dir>/isodepth.json, fit each: the CI on phi, the minima over width")
+    ap.add_argument('--simulate_phi', type=float, default=None,
+                    help="--simulate: draw at this phi instead of the fitted one")
     return ap
 
 
@@ -661,19 +947,23 @@ def sweep_args(args, overrides, argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args, overrides = parser().parse_known_args(argv)
+    if args.simulate < 0:
+        die(f"--simulate={args.simulate}: must be >= 0")
     for flag in ('starts', 'resamples'):
         if getattr(args, flag) < 1:
             die(f"--{flag}={getattr(args, flag)}: must be >= 1")
     if args.boot_starts < 0:
         die(f"--boot_starts={args.boot_starts}: must be >= 0")
     if args.fit or not args.dry_run:
-        scipy_minimize()  # the fit needs it: stop now, not after the sweep's training
+        scipy_optimize()  # the fit needs it: stop now, not after the sweep's training
     if not args.fit:
         return sweep(sweep_args(args, overrides, argv))
     if overrides:
         die(f"unrecognized arguments: {' '.join(overrides)} (--fit takes a table, not config overrides)")
     runs = read_runs(args.fit)
-    n_fits = 3 * args.starts + args.resamples * (1 + args.boot_starts)
+    # the Huber and least-squares fits, the bootstrap's refits, and the tests' draws (two refits each)
+    n_fits = 3 * (args.starts + args.starts // 5 + 2) + args.resamples * (1 + args.boot_starts) + \
+        2 * args.resamples * (3 + 2 * TEST_STARTS)
     print(f"{args.fit}: {len(runs['loss'])} runs; {n_fits:,} L-BFGS-B fits (about 10 ms each on a CPU core)")
     res = fit(runs, args.starts, args.resamples, args.boot_starts, args.seed)
     report(res)

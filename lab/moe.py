@@ -8,15 +8,20 @@ One run's evaluation (<run>/moe_eval.json) holds the val CE at every *boundary*:
 model, and after the same number of layers (--boundary, the looped arms' K) of a unique one, read out by
 the same readout norm and head (the paper's early-exit claim: loop boundaries against a standard model's
 intermediate layers). For a looped model with experts it holds the routing divergence between its loops
-too (lab/routing.py: overlap of the top-k sets against independent routing, kappa, JS, distinct experts).
+too (lab/routing.py: overlap of the top-k sets against independent routing, kappa, kappa given the input
+token, JS, distinct experts), and for every run the model's config, so that the records tell the shapes apart.
 
 The report's verdicts, each computed from the runs, paired by seed:
   (a) experts close dense looping's gap: CE(dense_looped) - CE(looped_moe) over CE(dense_looped) -
       CE(dense_unique), the share of the gap closed (>= 1: reversed)
   (b) loop boundaries are better exits: looped_moe's CE below dense_unique's at every inner boundary
-  (c) routing diverges more than chance: kappa < 0 in every layer and pair of loops (> 0: agrees more)
-  (d) tied routing loses what the experts gained: looped_moe_tied keeps under half the gain of (a)
+  (c) routing diverges more than chance: kappa < 0 in every layer and pair of loops
+  (d) routing agrees more than chance: kappa > 0 in every layer and pair of loops (c's opposite reading)
+  (e) tied routing loses what the experts gained: looped_moe_tied keeps under half the gain of (a)
+  (f) forcing the loops apart helps: looped_moe_disjoint (loop k routes among its own E/R experts) ends
+      below looped_moe; with (e) the causal test has two sides: divergence helping predicts (f) and (e)
 """
+import dataclasses
 import os
 import sys
 
@@ -34,7 +39,7 @@ from prepare import load_meta
 from reports import fmt, mean, plt_or_none, read_json, save, std, verdict_block
 from routing import collect, divergence
 
-ARMS = ('dense_unique', 'moe_unique', 'dense_looped', 'looped_moe', 'looped_moe_tied')
+ARMS = ('dense_unique', 'moe_unique', 'dense_looped', 'looped_moe', 'looped_moe_tied', 'looped_moe_disjoint')
 
 # -----------------------------------------------------------------------------
 # one run
@@ -59,9 +64,12 @@ def evaluate(model, X, Y, K, batch_size):
     cfg = model.config
     ces = [boundary_ce(model, X[i:i + batch_size], Y[i:i + batch_size], K)
            for i in range(0, X.size(0), batch_size)]
-    res = dict(boundary_ce=torch.stack(ces).mean(0).tolist(), K=K, tokens=X.numel())
+    # config: the model's arguments (n_layer, n_loop, n_expert, top_k, ...), which the report's records carry
+    res = dict(boundary_ce=torch.stack(ces).mean(0).tolist(), K=K, tokens=X.numel(),
+               config=dataclasses.asdict(cfg))
     if cfg.n_expert and cfg.n_loop > 1:  # routing between loops: the shared layers' visits
-        res['routing'] = divergence(collect(model, X, batch_size), cfg.n_expert, cfg.top_k)
+        routes, tokens = collect(model, X, batch_size)
+        res['routing'] = divergence(routes, cfg.n_expert, cfg.top_k, tokens)
     return res
 
 
@@ -93,7 +101,8 @@ def main(argv=None):
     res = dict(evaluate(model, X, Y, K, args.batch_size), iter_num=ckpt.get('iter_num'))
     print(f"{path}: val CE at each boundary " + ' '.join(f"{c:.4f}" for c in res['boundary_ce']))
     for j, a, b, p in pairs_of(res):
-        print(f"  layer {j} loops {a}-{b}: kappa {fmt(p['kappa'], '+.3f')}, disjoint {p['overlap'][0]:.3f} "
+        print(f"  layer {j} loops {a}-{b}: kappa {fmt(p['kappa'], '+.3f')} (given the input token "
+              f"{fmt(p.get('kappa_given_token'), '+.3f')}), disjoint {p['overlap'][0]:.3f} "
               f"(chance {p['chance'][0]:.3f})")
     out = args.json or os.path.join(args.out_dir, 'moe_eval.json')
     write_json(out, res)
@@ -162,8 +171,23 @@ def verdicts(ev):
            ('tied routing loses the experts\' gain',
             *verdict(tied, lambda f: f < 0.5, lambda f: f < 0.5,
                      "computed: looped_moe_tied keeps under half of looped_moe's gain over dense_looped, "
-                     "per seed"))]
+                     "per seed")),
+           ('forcing the loops apart helps', *forced_verdict(ev))]
     return out
+
+
+def forced_verdict(ev):
+    # (f): the disjoint arm against free routing, paired by seed; the tied arm's side read the same way
+    # (positive: above free routing), so both halves of the causal test are in the one line
+    final = lambda e: e['boundary_ce'][-1]
+    forced = paired(ev, lambda m, f: final(f) - final(m), 'looped_moe', 'looped_moe_disjoint')
+    tied = paired(ev, lambda m, t: final(t) - final(m), 'looped_moe', 'looped_moe_tied')
+    side = (f"; tied - free {mean(tied):+.4f} nats on the mean, above 0 in {sum(x > 0 for x in tied)} of "
+            f"{len(tied)} seeds") if tied else ''
+    return verdict(forced, lambda x: x < 0, lambda x: x < 0,
+                   "computed: CE(looped_moe_disjoint) - CE(looped_moe) at full depth below 0 in every seed"
+                   + (f" (mean {mean(forced):+.4f} nats, per seed " + ', '.join(f"{x:+.4f}" for x in forced)
+                      + ")" if forced else '') + side)
 
 
 def ce_table(ev):
@@ -184,18 +208,45 @@ def ce_table(ev):
 def paired_table(ev):
     final = lambda name, s: ev.get(name, {}).get(s, {}).get('boundary_ce', [None])[-1]
     seeds = sorted({s for runs in ev.values() for s in runs})
+    arms = [n for n in ARMS if ev.get(n)]  # the arms with runs: a preset may have a subset
     lines = ["### Paired by seed: full-depth CE and the shares the verdicts read", "",
              "gap closed = (dense_looped - looped_moe) / (dense_looped - dense_unique); tied keeps = "
              "(dense_looped - looped_moe_tied) / (dense_looped - looped_moe).", "",
-             "| seed | " + ' | '.join(ARMS) + " | gap closed | tied keeps |",
-             "|---|" + "---|" * (len(ARMS) + 2)]
+             "| seed | " + ' | '.join(arms) + " | gap closed | tied keeps |",
+             "|---|" + "---|" * (len(arms) + 2)]
     for s in seeds:
         u, m, d, t = (final(n, s) for n in ('dense_unique', 'looped_moe', 'dense_looped', 'looped_moe_tied'))
         share = lambda a, b: (a / b) if a is not None and b else None
         closed = share(d - m, d - u) if None not in (u, m, d) else None
         kept = share(d - t, d - m) if None not in (m, d, t) else None
-        lines.append(f"| {s} | " + ' | '.join(fmt(final(n, s), '.4f') for n in ARMS)
+        lines.append(f"| {s} | " + ' | '.join(fmt(final(n, s), '.4f') for n in arms)
                      + f" | {fmt(closed, '.2f')} | {fmt(kept, '.2f')} |")
+    return lines + [""]
+
+
+def exits_table(ev):
+    """Per seed and inner boundary, verdict (b)'s reading split in two: what looping does to the dense
+    model and what the experts add to the loop (the two sum to looped_moe - dense_unique)."""
+    ce = lambda name, s: ev.get(name, {}).get(s, {}).get('boundary_ce')
+    arms = ('dense_unique', 'dense_looped', 'looped_moe')
+    seeds = sorted(set.intersection(*(set(ev.get(n, {})) for n in arms)))
+    if not seeds:
+        return []
+    lines = ["### Paired by seed: the inner boundaries, looping and experts apart", "",
+             "Val CE differences in nats at each boundary before full depth (below 0: the first arm is "
+             "lower). looped_moe - dense_unique is what 'loop boundaries are better exits' reads; it is the "
+             "sum of what looping does to the dense model (dense_looped - dense_unique) and what the experts "
+             "add to the loop (looped_moe - dense_looped).", "",
+             "| seed | boundary | looped_moe - dense_unique | dense_looped - dense_unique | "
+             "looped_moe - dense_looped |", "|---|---|---|---|---|"]
+    rows = {}  # boundary -> each seed's three differences, in the columns' order
+    for s in seeds:
+        u, d, m = (ce(n, s) for n in arms)
+        for b in range(min(map(len, (u, d, m))) - 1):
+            rows.setdefault(b + 1, []).append((m[b] - u[b], d[b] - u[b], m[b] - d[b]))
+            lines.append(f"| {s} | {b + 1} | " + ' | '.join(f"{x:+.4f}" for x in rows[b + 1][-1]) + " |")
+    for b, diffs in rows.items():  # over the seeds: a difference of the CE table's means
+        lines.append(f"| mean | {b} | " + ' | '.join(f"{mean(col):+.4f}" for col in zip(*diffs)) + " |")
     return lines + [""]
 
 
@@ -210,16 +261,19 @@ def routing_table(ev, arm):
     lines = [f"### {arm}: routing divergence between loops, against chance", "",
              "Per physical layer and pair of loops, mean over seeds: the share of tokens whose top-k sets "
              "share o experts (independent routing with each loop's own usage in brackets), mean Jaccard, "
-             "kappa = (mean o - o_ind) / (k - o_ind) (0 independent, 1 identical) and the Jensen-Shannon "
+             "kappa = (mean o - o_ind) / (k - o_ind) (0 independent, 1 identical), kappa given token (the "
+             "same against the chance agreement within each input token: the agreement the token does not "
+             "explain; n/a for a run evaluated before lab/routing.py measured it) and the Jensen-Shannon "
              "divergence of the loops' expert usage (bits).", "",
-             "| layer | loops | o = 0 (chance) | o = k (chance) | Jaccard | kappa | JS |",
-             "|---|---|---|---|---|---|---|"]
+             "| layer | loops | o = 0 (chance) | o = k (chance) | Jaccard | kappa | kappa given token | JS |",
+             "|---|---|---|---|---|---|---|---|"]
     for (j, a, b), ps in sorted(pairs.items()):
         m = lambda key, i=None: mean([p[key] if i is None else p[key][i] for p in ps
-                                      if p[key] is not None])
+                                      if p.get(key) is not None])
         lines.append(f"| {j} | {a}-{b} | {m('overlap', 0):.3f} ({m('chance', 0):.3f}) | "
                      f"{m('overlap', -1):.3f} ({m('chance', -1):.3f}) | {m('jaccard'):.3f} | "
-                     f"{fmt(m('kappa'), '+.3f')} | {m('js_bits'):.3f} |")
+                     f"{fmt(m('kappa'), '+.3f')} | {fmt(m('kappa_given_token'), '+.3f')} | "
+                     f"{m('js_bits'):.3f} |")
     return lines + [""]
 
 
@@ -250,7 +304,7 @@ def plot_overlap(plt, ev, report_dir, prefix):
 
 def moe_report(arms, header, report_dir, prefix):
     ev = runs_of(arms)
-    lines = header + ce_table(ev) + paired_table(ev)
+    lines = header + ce_table(ev) + paired_table(ev) + exits_table(ev)
     lines += routing_table(ev, 'looped_moe') + routing_table(ev, 'looped_moe_tied')
     plot = plot_overlap(plt_or_none(), ev, report_dir, prefix)
     lines += [f"![{plot}]({plot})", ""] if plot else []

@@ -631,7 +631,7 @@ def plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix):
     from matplotlib.lines import Line2D
     axes[0][-1].legend([Line2D([], [], color=plt.cm.tab10(c)) for c in range(len(variants))], variants,
                        fontsize=7)
-    fig.supxlabel('training step (dotted: unigram floor; dashed: 2nd seed)')
+    fig.supxlabel('training step (dotted: unigram floor; dashed: later seeds)')
     fig.supylabel('val loss (exit R)')
     fig.tight_layout()
     return save(fig, plt, report_dir, f'{prefix}_loss.png')
@@ -712,6 +712,55 @@ def at_best_lr(runs, variants, Rs, lrs):
             at = f"lr {c['lr']:g}" + (", *edge*" if c['edge'] else "") + (", *partial*" if c['left'] else "")
             cells.append(f"{fmt(c['mean'], '.3f')} ({at}){diff}")
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def trainable_cell(runs, v, R, lrs, floor):
+    """Variant v at R, read free of where its LR grid's best lies: the highest LR of its grid at which every
+    seed left the floor (lr None: at none), whether that is the grid's top (the limit may lie above it), each
+    LR above it with its stuck and finished runs, the lower LRs where a seed stayed on the floor, and the
+    runs still to finish (a stuck run: stuck(); an unfinished one counts as neither)."""
+    grid = [lr for lr in lrs if runs_of(runs, variant=v, R=R, lr=lr)]
+    at = {lr: runs_of(runs, variant=v, R=R, lr=lr) for lr in grid}
+    ok = [lr for lr in grid if all(escaped(r, floor) for r in at[lr])]
+    lr = max(ok) if ok else None
+    done = lambda x: [r for r in at[x] if outcome(r) is not None]
+    return dict(variant=v, R=R, grid=grid, lr=lr, top=lr is not None and lr == grid[-1],
+                above=[(x, sum(stuck(r, floor) for r in at[x]), len(done(x)))
+                       for x in grid if lr is None or x > lr],
+                stuck_below=[x for x in grid
+                             if lr is not None and x < lr and any(stuck(r, floor) for r in at[x])],
+                left=sum(outcome(r) is None for x in grid for r in at[x]))
+
+
+def trainable_text(c):
+    if not c['grid']:
+        return 'n/a'
+    if c['lr'] is None:
+        text = 'none'
+    elif c['top']:
+        text = f"{c['lr']:g}, *top*"
+    else:
+        text = f"{c['lr']:g}; stuck " + ', '.join(f"{k}/{n} at {x:g}" for x, k, n in c['above'])
+    if c['stuck_below']:
+        text += f"; a seed stuck below it too, at {' / '.join(f'{x:g}' for x in c['stuck_below'])}"
+    return text + (", *partial*" if c['left'] else "")
+
+
+def trainable_table(runs, variants, Rs, lrs, floor):
+    """Per variant and R, the highest LR at which every seed trains: trainability read free of the LR grid's
+    best cell, which a seed stuck at a higher LR moves down."""
+    if floor is None:
+        return []
+    lines = ["Trainability free of the best LR: per variant and R, the highest LR of its grid at which every "
+             f"seed left the floor (final val loss < {floor - ESCAPE_MARGIN:.4f}), then at each LR above it "
+             "the seeds stuck on the floor / the seeds finished (stuck 1/3 at 0.001: one seed of three at lr "
+             "1e-3); *top*: every seed trains at the grid's highest LR, so the limit lies at or above it; "
+             "*partial*: runs of the cell still to finish:", "",
+             "| variant | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]
+    for v in variants:
+        lines.append(f"| {v} | " + " | ".join(trainable_text(trainable_cell(runs, v, R, lrs, floor))
+                                             for R in Rs) + " |")
     return lines + [""]
 
 # -----------------------------------------------------------------------------
@@ -840,11 +889,14 @@ def deeploop_verdicts(runs, Rs, lrs, floor):
             where[v] = (f"{every[v]} over the grid{f' ({at})' if at else ''}, {interior[v]}/{len(inner)} "
                         "at lr " + ' / '.join(f'{lr:g}' for lr in grid[1:-1]))
         seeds = len({r['seed'] for r in runs_of(runs, variant=DEEPLOOP)})
+        highest = '; '.join(f"{v} " + ' / '.join(fmt(trainable_cell(runs, v, R, lrs, floor)['lr'], 'g')
+                                                 for R in Rs) for v in every)
         how = ("runs stuck on the floor (final val loss ≥ " f"{floor - ESCAPE_MARGIN:.4f}, or failed): "
                + '; '.join(f"{v} {where[v]}" for v in every)
                + "; counted at each grid's interior LRs (at its edges an LR may be too small to leave the "
                "floor in time or too large to train, whatever p): reproduces if p = 1/2 is never stuck there "
-               "and every smaller p is, direction only if p = 1/2 is stuck less often than each")
+               "and every smaller p is, direction only if p = 1/2 is stuck less often than each. Free of the "
+               f"grid, the highest LR at which every seed trains, R = {' / '.join(map(str, Rs))}: {highest}")
         out.append((TRAINABILITY, trainability_verdict(interior), seeds, how, []))
     cfgs = [r['cfg'] for r in runs if r.get('cfg')]
     if cfgs and any(cfgs[0].get(k, 0) < n for k, n in PAPER_SIZE.items()):
@@ -890,7 +942,8 @@ def deeploop_report(arms, header, report_dir, prefix, floor):
     Rs = sorted({r['arm']['tags']['R'] for r in runs})
     lrs = sorted({r['arm']['tags']['lr'] for r in runs})
     lines = (header + floor_lines(floor) + loss_table(runs, variants, Rs, lrs, floor)
-             + versus_baseline(runs, variants, Rs, lrs) + at_best_lr(runs, variants, Rs, lrs))
+             + versus_baseline(runs, variants, Rs, lrs) + at_best_lr(runs, variants, Rs, lrs)
+             + trainable_table(runs, variants, Rs, lrs, floor))
     plt = plt_or_none()
     if plt is not None:
         name = plot_losses(plt, runs, variants, Rs, lrs, floor, report_dir, prefix)
@@ -1130,23 +1183,55 @@ def escape_report(arms, header, report_dir, prefix, floor):
 # -----------------------------------------------------------------------------
 # writing the report
 
+def arm_shapes(jobs):
+    """'K n' when every arm has the same K, else None and a line with each arm's K x R and experts (the moe
+    sweep: unique 8 x 1 beside looped 2 x 4, where one K would misstate the looped arms). A job not resolved
+    (a --report_only call resolves the first) reads its arm's overrides on top of the first job's config."""
+    cfg0, cfgs = jobs[0]['cfg'], {}
+    for j in jobs:
+        cfgs.setdefault(j['arm']['name'], j.get('cfg') or {**cfg0, **j['arm']['overrides']})
+    if len({cfg['n_layer'] for cfg in cfgs.values()}) == 1:
+        return f"K {cfg0['n_layer']}", None
+
+    def shape(cfg):
+        experts = f", top-{cfg['top_k']} of {cfg['n_expert']} experts" if cfg.get('n_expert') else ', dense'
+        tied = ', tied routing' if cfg.get('tied_routing') else \
+            ', disjoint routing' if cfg.get('disjoint_routing') else ''
+        return f"{cfg['n_layer']} x {cfg['n_loop']}{experts}{tied}"
+    return None, "Each arm's shape, K layers x R loops: " + '; '.join(f"{name} {shape(cfg)}"
+                                                                      for name, cfg in cfgs.items()) + "."
+
+
 def report_header(preset, jobs, n_arms, args, sweep):
     cfg0 = jobs[0]['cfg']
-    sizes = (f"{cfg0['dataset']}, d {cfg0['n_embd']}, K {cfg0['n_layer']}, block {cfg0['block_size']}, batch "
-             f"{cfg0['batch_size']}x{cfg0['gradient_accumulation_steps']}, {cfg0['max_iters']} steps, "
+    K, shapes = arm_shapes(jobs)
+    sizes = (f"{cfg0['dataset']}, d {cfg0['n_embd']}, {K or 'K per arm below'}, block {cfg0['block_size']}, "
+             f"batch {cfg0['batch_size']}x{cfg0['gradient_accumulation_steps']}, {cfg0['max_iters']} steps, "
              f"{cfg0['lr_schedule']} lr, init {cfg0['init']}")
     seeds = sorted({j['seed'] for j in jobs})
-    command = sweep.get('command') or args.command.replace(' --report_only', '')
+    rebuilt = not sweep and ' --report_only' in args.command  # from run records with no sweep.json
+    command = sweep.get('command') or (args.command if rebuilt
+                                       else args.command.replace(' --report_only', ''))
     train_minutes = sum(read_status(j['out_dir']).get('train_seconds', 0) for j in jobs) / 60
+    if rebuilt:  # the training calls' wall time, code and dtype are not on record: say so, not '?'
+        out = getattr(args, 'out', '?')
+        about = (f", which {out}/README.md describes" if os.path.exists(os.path.join(out, 'README.md'))
+                 else '')
+        run_lines = [f"Wall time of the sweep calls: not on record (no sweep.json under {out}: this report "
+                     f"is rebuilt from the finished runs' records{about}); train time summed over runs: "
+                     f"{train_minutes:.1f} min.",
+                     "Code and dtype: not on record in the run folders; each run's train.log prints "
+                     "its dtype."]
+    else:
+        run_lines = [f"Wall time of the last sweep call: {fmt(sweep.get('wall_seconds', 0) / 60, '.1f')} min "
+                     f"with {sweep.get('workers', '?')} run(s) at a time, "
+                     f"{sweep.get('cores_per_run', '?')} CPU core(s) each; "
+                     f"train time summed over runs: {train_minutes:.1f} min.",
+                     f"Code: commit {sweep.get('commit', '?')}; dtype {sweep.get('dtype', '?')}."]
     return [f"## {preset['title']}", "",
             f"`{command}`: {n_arms} arms x {len(seeds)} seed(s) ({', '.join(map(str, seeds))}); {sizes}"
             + (f"; base {' '.join(args.base)}" if args.base else '') + ".",
-            f"Wall time of the last sweep call: {fmt(sweep.get('wall_seconds', 0) / 60, '.1f')} min with "
-            f"{sweep.get('workers', '?')} run(s) at a time, "
-            f"{sweep.get('cores_per_run', '?')} CPU core(s) each; "
-            f"train time summed over runs: {train_minutes:.1f} min.",
-            f"Code: commit {sweep.get('commit', '?')}; dtype {sweep.get('dtype', '?')}.",
-            ""]
+            *([shapes] if shapes else []), *run_lines, ""]
 
 
 def summary(arms):
@@ -1162,6 +1247,7 @@ def summary(arms):
             rec['lengths'] = {L: {k: d[k] for k in keys} for L, d in at.items() if d}
         moe = read_json(os.path.join(r['out_dir'], 'moe_eval.json'))  # lab/moe.py's evaluation
         if moe:
+            rec['config'] = moe.pop('config', None)  # the model's arguments: each arm's shape, on the record
             rec['moe_eval'] = moe
         return rec
     return {name: [record(r) for r in runs] for name, runs in arms.items()}

@@ -13,6 +13,10 @@ set a token gets on loop a:
             (exact, from the two loops' empirical distributions of top-k sets) and under independent
             uniform routing (hypergeometric: for top-2 of 8, 53.6 % disjoint, 3.6 % identical)
   kappa     (mean o - o_ind) / (k - o_ind), o_ind the chance mean: 0 independent, 1 identical routing
+  kappa|token  the same against the chance agreement within each input token (the token of X at that
+            position): o_ind|token = sum_t (n_t / N) o_ind(t), o_ind(t) from the two loops' routing of the
+            n_t tokens t alone. A router that reads the token routes a token alike on every loop by chance;
+            this kappa counts only agreement beyond it (0: the token explains all of it)
   JS        Jensen-Shannon divergence of the two loops' expert usage, in bits (0 = same usage, 1 = no
             expert shared): experts specialised by loop
 and per layer: distinct experts per token over its R loops beside chance (E (1 - (1 - k/E)^R) uniform,
@@ -89,6 +93,27 @@ def kappa(hist, chance):
     return None if k - o_ind < 1e-9 else (mean_overlap(hist) - o_ind) / (k - o_ind)
 
 
+def kappa_given_token(a, b, tokens, E):
+    """(o_ind|token, kappa|token) of loops a and b, tokens (N,) the input token of each row: kappa against
+    the chance agreement within each input token t, sum_t (n_t / N) sum_e P_a(e in S | t) P_b(e in S | t)
+    (the chance mean of independent routing, docs/papers.md §5, computed on the n_t tokens t alone).
+    kappa|token is None where that chance alone already gives o = k, as kappa is: every input token goes to
+    one set on both loops, so the token decides the routing and no agreement is left to explain. Like
+    kappa's chance, it pairs each token with itself too: under independent routing that costs nothing, but
+    agreement beyond chance moves it toward the observed overlap by about (distinct input tokens) / N of
+    the gap, 0.4 % for 65 characters over 16,384 tokens."""
+    k, tokens = a.size(1), tokens.flatten().cpu().long()
+    assert tokens.numel() == a.size(0), f"{tokens.numel()} input tokens for {a.size(0)} routed rows"
+    V = int(tokens.max()) + 1
+    n = torch.bincount(tokens, minlength=V).double()
+    pa = torch.zeros(V, E, dtype=torch.float64).index_add_(0, tokens, members(a, E))  # n_t P_a(e in S | t)
+    pb = torch.zeros(V, E, dtype=torch.float64).index_add_(0, tokens, members(b, E))
+    seen = n > 0
+    o_ind = ((pa[seen] * pb[seen]).sum(1) / n[seen]).sum().item() / tokens.numel()
+    observed = (members(a, E) * members(b, E)).sum(1).mean().item()
+    return o_ind, None if k - o_ind < 1e-9 else (observed - o_ind) / (k - o_ind)
+
+
 def usage(idx, E):
     """(E,) the fraction of routed slots each expert took (sums to 1); k x usage = P(e in S)."""
     return torch.bincount(idx.flatten().cpu(), minlength=E).double() / idx.numel()
@@ -122,9 +147,10 @@ def load_ratio(idx, E):
     return (counts.max() / counts.mean()).item()
 
 
-def divergence(routes, n_expert, top_k):
+def divergence(routes, n_expert, top_k, tokens=None):
     """Per physical layer and pair of loops, every metric above. routes {(j, r): idx (N, k)}: layer j's
-    choice on loop r, the same N tokens in the same order for every r. Returns a JSON-able dict."""
+    choice on loop r, the same N tokens in the same order for every r; tokens (N,): their input token ids
+    in that order, for kappa|token (None: not measured, null in the JSON). Returns a JSON-able dict."""
     E, k = n_expert, top_k
     uniform = hypergeom(E, k)
     res = dict(n_expert=E, top_k=k, layers=[],
@@ -138,11 +164,12 @@ def divergence(routes, n_expert, top_k):
         pairs = []
         for (a, ia), (b, ib) in itertools.combinations(zip(loops, idxs), 2):
             hist, chance = overlap_hist(ia, ib, E), chance_hist(ia, ib, E)
+            o_tok, k_tok = (None, None) if tokens is None else kappa_given_token(ia, ib, tokens, E)
             pairs.append(dict(loops=[a, b], overlap=hist.tolist(), chance=chance.tolist(),
                               mean_overlap=mean_overlap(hist), o_ind=mean_overlap(chance),
                               jaccard=jaccard(hist),
                               jaccard_chance=jaccard(chance), kappa=kappa(hist, chance),
-                              js_bits=js_divergence(ia, ib, E)))
+                              o_ind_token=o_tok, kappa_given_token=k_tok, js_bits=js_divergence(ia, ib, E)))
         marg, unif = distinct_chance(idxs, E)
         res['layers'].append(dict(layer=j, loops=loops, tokens=idxs[0].size(0), pairs=pairs,
                                   distinct=distinct_experts(idxs, E), distinct_chance=marg,
@@ -155,7 +182,8 @@ def divergence(routes, n_expert, top_k):
 
 @torch.no_grad()
 def collect(model, X, batch_size):
-    """{(j, r): idx (N, k)} of every looped layer h[j] on loop r, N the tokens of X (n, T) row-major."""
+    """({(j, r): idx (N, k)} of every looped layer h[j] on loop r, tokens (N,)): N the tokens of X (n, T)
+    row-major, tokens their ids in that order (what kappa|token conditions on)."""
     model.eval()
     routes = {}
     K = model.config.n_layer
@@ -163,7 +191,7 @@ def collect(model, X, batch_size):
         out = model.run(X[i:i + batch_size])  # its routes: loop 1's K layers, then loop 2's, ...
         for v, route in enumerate(out.routes):
             routes.setdefault((v % K, v // K + 1), []).append(route.idx.cpu())
-    return {key: torch.cat(v) for key, v in routes.items()}
+    return {key: torch.cat(v) for key, v in routes.items()}, X.reshape(-1).cpu()
 
 
 def print_report(res, title):
@@ -174,18 +202,18 @@ def print_report(res, title):
           f"{'/'.join(map(str, range(k + 1)))}; "
           f"chance: independent routing, each loop with its own distribution of sets")
     print(f"  uniform chance (hypergeometric): {pct(res['uniform']['overlap'])}, Jaccard "
-          f"{res['uniform']['jaccard']:.3f}. kappa: 0 = chance, 1 = identical routing. JS in bits: 0 = same "
-          f"expert usage, 1 = disjoint")
+          f"{res['uniform']['jaccard']:.3f}. kappa: 0 = chance, 1 = identical routing; kappa|token: the same "
+          f"against chance within each input token. JS in bits: 0 = same expert usage, 1 = disjoint")
     for L in res['layers']:
         print(f"layer h[{L['layer']}]: {L['tokens']:,} tokens, top-{k} of {E} experts, loops "
               f"{L['loops'][0]}..{L['loops'][-1]}")
         w = 6 * k + 6
         print(f"  {'loops':<7}{'overlap %':<{w}}{'chance %':<{w}}{'Jaccard (chance)':<18}"
-              f"{'kappa':>7}{'JS bits':>9}")
+              f"{'kappa':>7}{'kappa|token':>13}{'JS bits':>9}")
         for p in L['pairs']:
-            kap = 'n/a' if p['kappa'] is None else f"{p['kappa']:.3f}"
+            kap, tok = ('n/a' if x is None else f"{x:.3f}" for x in (p['kappa'], p.get('kappa_given_token')))
             print(f"  {'{}-{}'.format(*p['loops']):<7}{pct(p['overlap']):<{w}}{pct(p['chance']):<{w}}"
-                  f"{'{:.3f} ({:.3f})'.format(p['jaccard'], p['jaccard_chance']):<18}{kap:>7}"
+                  f"{'{:.3f} ({:.3f})'.format(p['jaccard'], p['jaccard_chance']):<18}{kap:>7}{tok:>13}"
                   f"{p['js_bits']:>9.3f}")
         print(f"  distinct experts per token over {len(L['loops'])} loops: {L['distinct']:.2f} (chance "
               f"{L['distinct_chance']:.2f} from the loops' marginals, {L['distinct_uniform']:.2f} uniform)")
@@ -210,8 +238,12 @@ def summary(res):
         word = ('the loops route alike: more agreement than chance' if m > AGREE else
                 'the loops route apart: less agreement than chance' if m < -AGREE else
                 'the loops route as chance would')
+        given = [p['kappa_given_token'] for L in res['layers'] for p in L['pairs']
+                 if p.get('kappa_given_token') is not None]
+        token = (f"; mean kappa|token {sum(given) / len(given):+.3f}, the agreement beyond what the input "
+                 f"token explains" if given else '')
         lines = [f"summary: {word} (mean kappa {m:+.3f} over {len(kappas)} layer/loop pairs; "
-                 f"|kappa| <= {AGREE} counts as chance)"]
+                 f"|kappa| <= {AGREE} counts as chance{token})"]
     for L in res['layers']:
         worst = max(L['load'])
         if worst >= COLLAPSED * E / k:
@@ -242,7 +274,8 @@ def main(argv=None):
     data_dir = args.data_dir or os.path.join('data', ckpt.get('dataset', ''))
     X, _ = val_windows(data_dir, load_meta(data_dir), model.config.block_size, args.batches * args.batch_size)
     t0 = time.time()
-    res = divergence(collect(model, X.to(device), args.batch_size), E, model.config.top_k)
+    routes, tokens = collect(model, X.to(device), args.batch_size)
+    res = divergence(routes, E, model.config.top_k, tokens)
     res.update(checkpoint=ckpt_path, iter_num=ckpt.get('iter_num'), dataset=ckpt.get('dataset'),
                n_seqs=X.size(0), seq_len=X.size(1), tied_routing=model.config.tied_routing,
                seconds=round(time.time() - t0, 2))

@@ -772,6 +772,22 @@ def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(
     assert '## 4 steps' in md and '## 8 steps' in md and 'Not reached: 1 of 2 runs' in md
 
 
+# the reruns that put each compared pair on one machine: the GPU's matched-depth pairs and Looped-MoE at the
+# paper's shape (its disjoint arm did not finish there), and the CPU's causal arms of that shape
+RERUNS = [('matched_pairs', []), ('moe_causal', []),
+          ('moe_4x2', ['--only=dense_unique,moe_unique,dense_looped,looped_moe,looped_moe_tied'])]
+
+
+@pytest.mark.parametrize('preset, only', RERUNS, ids=[p for p, _ in RERUNS])
+def test_the_committed_rerun_reports_are_what_their_committed_runs_give(preset, only, repo_dir, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ here, as in a fresh clone
+    ablate.main([preset, *only, '--report_only', '--out', str(repo_dir / 'assets/runs' / preset),
+                 '--report_dir', str(tmp_path)])
+    rebuilt = (tmp_path / f'{preset}.md').read_text(encoding='utf-8')
+    assert rebuilt == (repo_dir / f'assets/{preset}.md').read_text(encoding='utf-8')
+
+
 def test_the_committed_matched_long_report_is_what_its_committed_runs_give(repo_dir, tmp_path, monkeypatch):
     # assets/matched_long.md (verdicts per training length, bound by tests/test_claims.py) rebuilt from the
     # run records in assets/runs/matched_long: statuses, metrics and eval_depth-<L>.json, no checkpoint

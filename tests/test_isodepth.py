@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -127,10 +128,43 @@ def test_48_runs_at_a_hundredth_of_a_nat_recover_phi_inside_its_ci(phi):
     assert res['fits']['free']['rmse'] < 0.012  # the noise, 0.01 nats, and little more
 
 
-def test_fixing_phi_at_0_or_1_fits_worse_when_a_loop_is_worth_half_a_block():
-    fits = fitted(0.46)['fits']
-    assert fits['phi=0']['r2'] < fits['free']['r2'] and fits['phi=1']['r2'] < fits['free']['r2'], fits
+def test_fixing_phi_at_0_or_1_is_rejected_by_the_fits_own_objectives_when_a_loop_is_worth_half_a_block():
+    res = fitted(0.46)
+    fits = res['fits']
     assert fits['phi=0']['phi'] == 0 and fits['phi=1']['phi'] == 1
+    for test in (res['vs_phi0'], res['vs_phi1']):
+        # the fixed fit's Huber objective and least squares are both worse, the likelihood ratio far past
+        # chi^2's 95 % point (3.84), and the bootstrap of the Huber objective's difference agrees
+        assert test['objective_ratio'] > 1 and test['ssr_ratio'] > 1, test
+        assert test['statistic'] > 3.84 and test['p'] < 0.05 and test['p_boot'] < 0.05, test
+    n = res['n_runs']
+    assert res['vs_phi1']['statistic'] == pytest.approx(n * math.log(res['vs_phi1']['ssr_ratio']))
+
+
+@pytest.mark.parametrize('phi,rejected', [(1.0, False), (0.5, True)])
+def test_the_likelihood_ratio_rejects_phi_1_only_when_the_runs_were_drawn_below_it(phi, rejected):
+    # 48 runs at 0.01 nats drawn at phi = 1: its test does not reject phi = 1 (p > 0.05); drawn at 0.5 it
+    # does, far past chance. One draw (seed 2); over draws 1-30 at phi = 1 the statistic averaged 1.24
+    # (chi^2 with 1 dof: 1) and 2 of 30 rejected at 5 %, so the chi^2 tail is about right here
+    res = isodepth.fit(draw(phi, seed=2), starts=30, resamples=20, boot_starts=1)
+    test = res['vs_phi1']
+    assert (test['p'] < 0.05) == rejected and (test['p_boot'] < 0.05) == rejected, test
+    assert (res['vs_phi0']['p'] < 1e-6) and res['vs_phi0']['p_boot'] < 0.05  # phi = 0 is always far off
+
+
+def test_refits_on_an_edge_of_the_box_are_counted_per_parameter():
+    # three refits: one inside, one with E on its lower edge (e = -3), one with e there and phi on its
+    # upper edge (3)
+    inside = [2.0, 2.0, -1.0, 0.3, 0.2, 0.5]
+    thetas = np.array([inside, [2.0, 2.0, -3.0, 0.3, 0.2, 0.5], [2.0, 2.0, -3.0, 0.3, 0.2, 3.0]])
+    edges = isodepth.box_edges(thetas)
+    assert set(edges) == set(isodepth.NAMES)
+    assert edges['e'] == dict(low=2, high=0) and edges['phi'] == dict(low=0, high=1)
+    assert all(edges[k] == dict(low=0, high=0) for k in ('a', 'b', 'alpha', 'beta'))
+    assert isodepth.on_edge(thetas[2]) == ['e', 'phi'] and isodepth.on_edge(inside) == []
+    res = fitted(0.46)
+    assert sum(res['box_edges']['phi'].values()) <= res['resamples']
+    assert {k: res['fits'][k]['on_edge'] for k in res['fits']} == {'free': [], 'phi=0': [], 'phi=1': []}
 
 
 def test_24_runs_at_two_budgets_are_reported_not_identified():
@@ -217,7 +251,9 @@ def test_fit_cli_prints_phi_and_writes_it_with_its_ci_as_json(tmp_path):
     lo, hi = res['phi_ci']
     assert lo <= res['phi'] <= hi and abs(res['phi'] - 0.46) < 0.1
     assert {'alpha', 'beta', 'E', 'A', 'B'} <= set(res) and set(res['fits']) == {'free', 'phi=0', 'phi=1'}
+    assert {'statistic', 'p', 'p_boot'} <= set(res['vs_phi0']) and {'statistic', 'p'} <= set(res['vs_phi1'])
     assert f"phi = {res['phi']:.3f}, 95 % CI [{lo:.3f}, {hi:.3f}]" in out and 'phi=1' in out
+    assert f"{res['vs_phi1']['statistic']:.2f}" in out and "bootstrap refits on the box's edge" in out
 
 
 def put(rows, line, column, value):
@@ -418,8 +454,13 @@ def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp
         assert fit['finished'] == fit['planned'] == (4 * 3 * 2 + 4 if case == 'baseline' else 4 * 3 * 2 + 2)
         row = next(line for line in md.splitlines() if line.startswith(f'| {case} |'))
         cells = [c.strip() for c in row.strip('|').split('|')]
-        assert cells[1] == f"{fit['finished']}/{fit['planned']}"
-        assert cells[2:9] == isodepth.phi_cells(fit)
+        assert cells[1] == isodepth.runs_cell(fit) == f"{fit['finished']}/{fit['planned']}"
+        assert cells[2:10] == isodepth.phi_cells(fit)
+        # the JSON's schema, for every case: phi, its CI, and both tests with a statistic and a p
+        assert {'phi', 'phi_ci', 'vs_phi0', 'vs_phi1', 'verdict', 'box_edges'} <= set(fit)
+        for t in ('vs_phi0', 'vs_phi1'):
+            assert {'statistic', 'p'} <= set(fit[t]) and 0 <= fit[t]['p'] <= 1
+        assert f"| {case} | 1 | " + ' | '.join(isodepth.test_cells(fit['vs_phi1'])) + ' |' in md
         lo, hi = fit['phi_ci']
         assert cells[3] == f"[{lo:.3f}, {hi:.3f}]" and float(cells[4]) == round(fit['alpha'], 3)
         # the case's CSV refits to the same phi with the same seed: the JSON is the --fit of that table
@@ -430,7 +471,8 @@ def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp
 
 
 def fit_result(phi, lo, hi):
-    return dict(phi=phi, phi_ci=[lo, hi], fits={k: dict(r2=0.99) for k in ('free', 'phi=0', 'phi=1')})
+    test = dict(statistic=10.0, p=0.0016, objective_ratio=1.2)
+    return dict(phi=phi, phi_ci=[lo, hi], vs_phi0=test, vs_phi1=test)
 
 
 def verdict(lines, claim):
@@ -445,15 +487,16 @@ def verdict(lines, claim):
 def test_phi_verdicts_ask_the_ci_inside_0_1_and_the_case_cis_apart_in_the_papers_order(base, truncated,
                                                                                        hyper, words):
     fits = dict(baseline=fit_result(*base), truncated=fit_result(*truncated), hyper=fit_result(*hyper))
-    lines = isodepth.verdicts(fits)
+    lines = isodepth.verdict_lines(fits)
     claims = ('a loop is worth part', 'truncated backprop lowers phi', 'hyper-connections raise phi')
     assert tuple(verdict(lines, c) for c in claims) == words
+    assert tuple(word for _, word, _ in isodepth.verdicts(fits).values()) == words
 
 
 def test_phi_verdicts_say_not_tested_without_a_measured_phi():
     fits = dict(baseline=fit_result(0.46, 0.41, 0.53), truncated=dict(error='no finished run'),
                 hyper=dict(fit_result(0.5, -1.0, 2.0), phi=None))
-    lines = isodepth.verdicts(fits)
+    lines = isodepth.verdict_lines(fits)
     assert verdict(lines, 'truncated') == verdict(lines, 'hyper') == 'not tested'
     assert isodepth.ci_overlap((0, 1), (0.5, 0.7)) == 1 and isodepth.ci_overlap((0, 1), (2, 3)) == 0
 
@@ -485,6 +528,110 @@ def test_laptop_preset_is_4_widths_x_3_budgets_x_4_r_with_a_second_seed_on_4_cel
     out = capsys.readouterr().out
     assert 'laptop: 52 runs of case(s) baseline' in out
     assert out.count(' on a CPU core') == 52 and 'total: 52 CPU runs' in out
+    # the narrow widths: d 8 one head of 8, d 24 two heads of 12 (RoPE needs even heads)
+    assert '--n_embd=8 --n_head=1 ' in out and '--n_embd=24 --n_head=2 ' in out
+    assert 'at the per-width speeds measured for this preset' in out and '~3.0 core-hours' in out
+
+
+@pytest.mark.parametrize('width,head,n', [(16, 16, 1), (24, 16, 2), (8, 16, 1), (12, 16, 1), (48, 16, 3),
+                                          (384, 128, 3), (15, 16, None)])
+def test_a_width_gets_the_even_heads_nearest_the_presets_head_size(width, head, n):
+    assert isodepth.n_heads(width, head) == n
+
+
+def test_an_odd_width_stops_with_one_line(tiny_data, tiny_sweep, capsys):
+    assert_clean_error(*main_error(capsys, *tiny_sweep, '--widths=15', '--dry_run'), '--widths: 15 is odd')
+
+# -----------------------------------------------------------------------------
+# the committed report and the grid planned after it
+
+
+def committed():
+    with open(os.path.join(REPO, 'assets', 'isodepth.json'), encoding='utf-8') as f:
+        return json.load(f)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_committed_baseline_rejects_phi_1_by_the_likelihood_ratio_its_csv_gives():
+    # the report's numbers are the --fit of its table: the least-squares fits behind the likelihood ratio
+    # find the same optima from 30 starts as from 500 (the bootstrap is left out here, to run in seconds)
+    res = committed()['cases']['baseline']
+    refit = isodepth.fit(isodepth.read_runs(os.path.join(REPO, 'assets', 'isodepth_baseline.csv')), starts=30,
+                         resamples=1, boot_starts=0, test_resamples=0)
+    for t in ('vs_phi0', 'vs_phi1'):
+        assert refit[t]['statistic'] == pytest.approx(res[t]['statistic'], rel=1e-4), t
+        assert refit[t]['p'] == pytest.approx(res[t]['p'], rel=1e-3) and res[t]['p'] < 0.05
+    assert res['vs_phi1']['objective_ratio'] > 1 and res['vs_phi1']['p_boot'] < 0.05
+
+
+def test_the_committed_report_has_both_tests_for_each_case_and_says_not_tested_without_numbers():
+    cases = committed()['cases']
+    assert set(cases) == set(isodepth.CASES)
+    for case, res in cases.items():
+        assert {'phi', 'phi_ci', 'vs_phi0', 'vs_phi1', 'verdict'} <= set(res), case
+        assert all({'statistic', 'p'} <= set(res[t]) for t in ('vs_phi0', 'vs_phi1')), case
+    for case in ('truncated', 'hyper'):  # 14 runs each, all at r = 1: nothing to test, and no number made up
+        res = cases[case]
+        assert res['verdict'] == 'not tested' and 'r = 1' in res['error']
+        assert res['phi'] is None and res['phi_ci'] is None
+        assert res['vs_phi1']['statistic'] is None and res['vs_phi1']['p'] is None
+        assert res['vs_phi1']['why'].startswith('not tested')
+    # E: the box's lower edge (E = 0.05 nats) stops the phi = 1 fit and part of the bootstrap's refits
+    base = cases['baseline']
+    assert base['fits']['phi=1']['on_edge'] == ['e'] and base['box_edges']['e']['low'] > 0
+
+
+def test_the_first_grid_brackets_no_minimum_and_the_laptop_grid_brackets_every_one_of_the_fitted_law(
+        repo_dir, monkeypatch):
+    # the committed runs: the loss rises with width in all 12 (budget, r) groups. The planned laptop grid:
+    # the law fitted to those runs has its minimum over width strictly inside the widths of each group
+    runs = isodepth.read_runs(os.path.join(REPO, 'assets', 'isodepth_baseline.csv'))
+    with open(os.path.join(REPO, 'assets', 'isodepth_baseline.csv'), encoding='utf-8') as f:
+        runs['width'] = np.array([float(row['width']) for row in csv.DictReader(f)])
+    assert not any(isodepth.interior_minima(runs, runs['loss']).values())
+    assert committed()['cases']['baseline']['interior_minima'] == [0, 12]
+    monkeypatch.chdir(repo_dir)
+    args = isodepth.sweep_args(isodepth.parser().parse_known_args([])[0], [], [])
+    args.rs = list(isodepth.SWEEPS['laptop']['rs'])
+    jobs = isodepth.plan_sweep(isodepth.SWEEPS['laptop'], args, ('baseline',))
+    truth = dict(committed()['cases']['baseline'])
+    truth['phi'] = truth['phi_fit']
+    plan = isodepth.design(jobs)
+    inside = isodepth.interior_minima(plan, isodepth.law_loss(truth, plan))
+    assert len(inside) == 12 and all(inside.values())
+    assert 2.5 < isodepth.cpu_hours(jobs, isodepth.SWEEPS['laptop']) < 3.5  # docs/isodepth.md: ~3.0
+
+
+def test_simulating_a_grid_fits_draws_from_the_law_at_the_planned_runs(tiny_data, tiny_sweep, tmp_path):
+    jobs = fake_runs(tmp_path)
+    truth = dict(TRUE, phi=0.46)
+    res = isodepth.simulate(jobs, truth, 0.01, 2, starts=10, resamples=10, boot_starts=1)
+    assert res['n_runs'] == 4 * 3 * 2 + 4 and len(res['draws']) == 2 and res['ci_width'] > 0
+    assert len(res['law_interior']) == 3 * 2 and all(d['phi_ci'][0] <= d['phi_ci'][1] for d in res['draws'])
+
+
+def test_report_only_refits_the_runs_its_csvs_recorded_when_their_folders_are_gone(tiny_data, tiny_sweep,
+                                                                                    tmp_path, monkeypatch):
+    # the committed report's runs were trained on another machine: their tables are the record
+    fake_runs(tmp_path)
+    args = [*FAKE, '--report_only', '--case=baseline']
+    isodepth.main(args)
+    first = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())
+    shutil.rmtree(tmp_path / 'runs')
+    isodepth.main(args)
+    again = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())
+    assert [r['name'] for r in again['runs']] == [r['name'] for r in first['runs']]
+    assert [r['loss'] for r in again['runs']] == [r['loss'] for r in first['runs']]
+    for case in isodepth.CASES:
+        a, b = first['cases'][case], again['cases'][case]
+        assert (a['finished'], a['planned'], a['phi_fit']) == (b['finished'], b['planned'], b['phi_fit'])
+    # a grid that no longer plans those runs still fits them, counted as earlier runs
+    isodepth.main([*args, '--widths=16,24', '--budgets=1e8,3e8'])
+    moved = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())['cases']['baseline']
+    assert moved['finished'] + moved['earlier'] == first['cases']['baseline']['finished']
+    assert moved['earlier'] > 0
 
 
 def test_the_gpu_checks_iso_step_plans_a_reduced_grid_of_the_papers_model(repo_dir, monkeypatch, capsys):

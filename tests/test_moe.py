@@ -269,6 +269,44 @@ def test_tied_routing_reuses_loop_1s_experts_exactly_with_each_loops_own_weights
     assert any(not torch.equal(r.idx, out_free.routes[j].idx)
                for j in range(K) for r in out_free.routes[j::K])
 
+
+
+def test_disjoint_routing_keeps_each_loop_inside_its_own_share_of_the_experts():
+    # forced divergence: with E = 8 and R = 2, loop 1 routes among experts 0-3 and loop 2 among 4-7,
+    # so no token can share an expert between loops; free routing, same weights, does share them
+    forced = tiny(n_loop=2, n_expert=8, disjoint_routing=True)
+    free = tiny(n_loop=2, n_expert=8)
+    free.load_state_dict(forced.state_dict())
+    X, _ = batch()
+    K = 2
+    routes = forced.run(X).routes
+    for j in range(K):
+        first, second = routes[j::K]
+        assert (first.idx < 4).all() and (second.idx >= 4).all()
+        assert torch.isinf(first.logits[:, 4:]).all() and torch.isfinite(first.logits[:, :4]).all()
+    shared = [(a.idx[:, :, None] == b.idx[:, None, :]).any() for a, b in
+              (free.run(X).routes[j::K] for j in range(K))]
+    assert any(shared)
+    # past the trained R, loop k takes share (k - 1) mod R: loop 3 routes as loop 1 does
+    assert (forced.run(X, n_loop=3).routes[2 * K].idx < 4).all()
+
+
+@pytest.mark.parametrize('kw, says', [(dict(n_expert=6, n_loop=4), 'multiple of n_loop'),
+                                      (dict(n_expert=4, n_loop=4), 'at least top_k=2'),
+                                      (dict(n_expert=8, n_loop=2, tied_routing=True), 'pick one')])
+def test_disjoint_routing_refuses_shares_too_small_for_top_k_and_tied_routing(kw, says):
+    with pytest.raises(ValueError) as e:
+        check_model(GPTConfig(**dict(dict(n_layer=2, top_k=2, disjoint_routing=True), **kw)))
+    assert says in str(e.value)
+
+
+def test_depth_batching_refuses_disjoint_routing_in_one_line():
+    # rows at different loops share a call that GPT.loops runs as loop 1: each loop's own experts
+    # cannot be told apart there, so serve would route every row among loop 1's share
+    from batching import refusal
+    why = refusal(tiny(n_loop=2, n_expert=8, disjoint_routing=True).config, 'recompute')
+    assert why and 'disjoint routing' in why and '--batch_size=1' in why and '\n' not in why
+
 # ---------------------------------------------------------------- what a token costs
 
 
@@ -484,3 +522,100 @@ def test_a_ddp_step_with_an_expert_that_receives_no_token_succeeds(tmp_path):
     for g in stacked:
         assert torch.equal(g[-1], torch.zeros_like(g[-1])) and all(g[i].abs().sum() > 0 for i in range(3))
     assert 'moe_balance' in read_metrics(tmp_path / 'out' / 'metrics.jsonl')[-1]
+
+
+# ---------------------------------------------------------------- the sweep's evaluation and report (lab/)
+
+SHAPE_KEYS = ('n_layer', 'n_loop', 'n_expert', 'top_k', 'tied_routing')
+
+
+def test_a_run_evaluation_carries_the_model_config_and_kappa_given_token():
+    import moe as lab_moe  # lab/moe.py: the sweep's evaluation of one run
+    model = tiny().eval()
+    X, Y = batch(B=4)
+    res = json.loads(json.dumps(lab_moe.evaluate(model, X, Y, K=2, batch_size=2)))
+    assert {k: res['config'][k] for k in SHAPE_KEYS} == dict(n_layer=2, n_loop=3, n_expert=4, top_k=2,
+                                                             tied_routing=False)
+    assert len(res['boundary_ce']) == 3
+    pairs = [p for L in res['routing']['layers'] for p in L['pairs']]
+    assert len(pairs) == 2 * 3 and all(p['o_ind_token'] is not None for p in pairs)
+
+
+def fake_jobs(arms, cfg0):
+    """A report's jobs as a --report_only call leaves them: the first resolved, the rest their arm only."""
+    jobs = [dict(arm=dict(name=name, overrides=over), seed=1, out_dir='') for name, over in arms]
+    jobs[0]['cfg'] = dict(cfg0, **arms[0][1])
+    return jobs
+
+
+HEADER_CFG = dict(dataset='shakespeare_char', n_embd=128, n_layer=2, n_loop=4, n_expert=0, top_k=2,
+                  block_size=64, batch_size=8, gradient_accumulation_steps=1, max_iters=1000,
+                  lr_schedule='constant', init='gpt2')
+
+
+def test_the_report_header_states_each_arms_shape_where_the_arms_differ_in_K():
+    # the moe sweep's header said 'K 8', the unique arms' K, of looped arms with K 2
+    import reports
+    args = type('Args', (), dict(base=[], command='python lab/ablate.py moe'))
+    experts = dict(n_layer=2, n_loop=4, n_expert=8, top_k=2)
+    moe_arms = [('dense_unique', dict(n_layer=8, n_loop=1)), ('looped_moe', experts),
+                ('looped_moe_tied', dict(experts, tied_routing=True))]
+    head = reports.report_header(dict(title='t'), fake_jobs(moe_arms, HEADER_CFG), 3, args, {})
+    assert 'K 8' not in head[2] and 'K per arm below' in head[2]
+    assert head[3] == ("Each arm's shape, K layers x R loops: dense_unique 8 x 1, dense; looped_moe 2 x 4, "
+                       "top-2 of 8 experts; looped_moe_tied 2 x 4, top-2 of 8 experts, tied routing.")
+    same_k = [('R1', dict(n_loop=1)), ('R7', dict(n_loop=7))]  # the deeploop sweep: one K, said once
+    head = reports.report_header(dict(title='t'), fake_jobs(same_k, HEADER_CFG), 2, args, {})
+    assert ', K 2, ' in head[2] and head[3].startswith('Wall time')
+
+
+def test_a_run_record_carries_the_config_its_moe_evaluation_wrote(tmp_path):
+    import reports
+    run = tmp_path / 'looped_moe-s1'
+    run.mkdir()
+    config = dict(n_layer=2, n_loop=4, n_expert=8, top_k=2)
+    (run / 'moe_eval.json').write_text(json.dumps(dict(boundary_ce=[2.0], K=2, config=config)))
+    arms = dict(looped_moe=[dict(seed=1, out_dir=str(run), status={}, rows=[], depth=None)])
+    rec = reports.summary(arms)['looped_moe'][0]
+    assert rec['config'] == config and 'config' not in rec['moe_eval']
+
+
+def committed(name):
+    with open(os.path.join(REPO, 'assets', name), encoding='utf-8') as fh:
+        return fh.read()
+
+
+def test_every_run_record_in_assets_moe_json_carries_its_arms_shape():
+    # the run folders are not committed: the records' configs were added from the moe preset's arms
+    # (lab/ablate.py, resolved by train.py as the sweep resolved them); a new sweep writes them itself
+    import ablate
+    arms = {a['name']: a['overrides'] for a in ablate.PRESETS['moe']['arms']}
+    records = json.loads(committed('moe.json'))
+    assert set(records) == set(arms)
+    for name, recs in records.items():
+        want = dict(dict.fromkeys(SHAPE_KEYS), n_expert=0, top_k=GPTConfig.top_k, tied_routing=False)
+        want.update({k: v for k, v in arms[name].items() if k in SHAPE_KEYS})
+        for rec in recs:
+            assert {k: rec['config'][k] for k in SHAPE_KEYS} == want, (name, rec['seed'])
+
+
+def test_the_committed_moe_report_is_its_generator_applied_to_the_committed_records(tmp_path):
+    # lab/ablate.py's --report_only path on run folders rebuilt from assets/moe.json (status.json, the
+    # last metrics row, moe_eval.json with the record's config) writes assets/moe.md and moe.json again
+    import ablate
+    records = json.loads(committed('moe.json'))
+    runs = tmp_path / 'runs'
+    for name, recs in records.items():
+        for rec in recs:
+            run = runs / f"{name}-s{rec['seed']}"
+            run.mkdir(parents=True)
+            (run / 'status.json').write_text(json.dumps(rec['status']))
+            (run / 'metrics.jsonl').write_text(json.dumps(rec['final']) + '\n')
+            (run / 'moe_eval.json').write_text(json.dumps(dict(rec['moe_eval'], config=rec['config'])))
+    # the sweep call's own facts, as its report's header states them (51.8 min: 3,108 s to a tenth)
+    (runs / 'sweep.json').write_text(json.dumps(dict(
+        command='python lab/ablate.py moe --workers=2', wall_seconds=3108.0, workers=2, cores_per_run=1,
+        commit='c0a54121908f', dtype='float32 (auto: no bf16 units on this CPU)')))
+    ablate.main(['moe', '--report_only', f'--out={runs}', f'--report_dir={tmp_path}'])
+    assert (tmp_path / 'moe.md').read_text(encoding='utf-8') == committed('moe.md')
+    assert json.loads((tmp_path / 'moe.json').read_text()) == records

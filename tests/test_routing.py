@@ -205,3 +205,79 @@ def test_a_collapsed_layer_is_flagged_since_its_kappas_mean_little():
     lines = summarised({(0, 1): uniform_routes(N, 1), (0, 2): uniform_routes(N, 2),
                         (1, 1): stuck, (1, 2): stuck})
     assert len(lines) == 2 and lines[1].startswith('warning: layer h[1] has collapsed onto about 2 experts')
+
+
+# ------------------------------------------------------------ kappa given the input token
+
+PAIRS = torch.combinations(torch.arange(E), k)  # the 28 top-2 sets of 8 experts
+
+
+def token_routes(tokens, sets):
+    """Each token t sent to sets[t]: routing decided by the input token alone, (N, k)."""
+    return sets[tokens]
+
+
+def test_routing_fixed_by_the_input_token_has_kappa_one_and_kappa_given_token_undefined():
+    # each of 28 input tokens always goes to its own pair of experts, on both loops: the loops agree
+    # completely (kappa 1), but within a token the chance agreement is already total (o_ind|token = k),
+    # so no agreement is left for the loops to explain: undefined, as kappa is when chance gives o = k
+    tokens = torch.randint(0, len(PAIRS), (20_000,), generator=torch.Generator().manual_seed(0))
+    a = token_routes(tokens, PAIRS)
+    hist, chance = rt.overlap_hist(a, a, E), rt.chance_hist(a, a, E)
+    assert rt.kappa(hist, chance) == pytest.approx(1.0)
+    o_tok, k_tok = rt.kappa_given_token(a, a.flip(1), tokens, E)
+    assert o_tok == pytest.approx(k) and k_tok is None
+
+
+def test_routing_that_depends_only_on_the_token_and_loop_has_kappa_given_token_zero():
+    # loop 2 sends token t to the pair after loop 1's: a deterministic function of (token, loop), so the
+    # token explains every bit of agreement there is, whatever kappa says
+    tokens = torch.randint(0, len(PAIRS), (20_000,), generator=torch.Generator().manual_seed(0))
+    a, b = token_routes(tokens, PAIRS), token_routes(tokens, PAIRS.roll(-1, 0))
+    hist, chance = rt.overlap_hist(a, b, E), rt.chance_hist(a, b, E)
+    assert rt.kappa(hist, chance) > 0.05  # neighbouring pairs share an expert: above chance overall
+    o_tok, k_tok = rt.kappa_given_token(a, b, tokens, E)
+    assert o_tok == pytest.approx(rt.mean_overlap(hist)) and k_tok == pytest.approx(0.0, abs=1e-12)
+
+
+def test_independent_uniform_routing_has_kappa_and_kappa_given_token_near_zero():
+    tokens = torch.randint(0, 65, (200_000,), generator=torch.Generator().manual_seed(0))
+    a, b = uniform_routes(200_000, 1), uniform_routes(200_000, 2)
+    assert abs(rt.kappa(rt.overlap_hist(a, b, E), rt.chance_hist(a, b, E))) < 0.01
+    o_tok, k_tok = rt.kappa_given_token(a, b, tokens, E)
+    assert o_tok == pytest.approx(k * k / E, abs=0.01) and abs(k_tok) < 0.01
+
+
+def test_a_loop_that_copies_the_last_keeps_kappa_given_token_at_one_when_routing_ignores_the_token():
+    # routing drawn at random whatever the token, loop 2 a copy of loop 1: the token explains nothing,
+    # within a token chance is near uniform's, and the loops' agreement is all beyond it
+    tokens = torch.randint(0, 65, (100_000,), generator=torch.Generator().manual_seed(0))
+    a = uniform_routes(100_000, 1)
+    o_tok, k_tok = rt.kappa_given_token(a, a, tokens, E)
+    assert o_tok == pytest.approx(k * k / E, abs=0.01) and k_tok == pytest.approx(1.0)
+
+
+def test_kappa_given_token_needs_one_input_token_per_routed_row():
+    with pytest.raises(AssertionError, match='10 input tokens for 20 routed rows'):
+        rt.kappa_given_token(uniform_routes(20, 0), uniform_routes(20, 1), torch.zeros(10), E)
+
+
+def test_divergence_reports_kappa_given_token_beside_kappa_when_given_the_tokens():
+    N = 2000
+    tokens = torch.randint(0, len(PAIRS), (N,), generator=torch.Generator().manual_seed(0))
+    routes = {(0, 1): token_routes(tokens, PAIRS), (0, 2): token_routes(tokens, PAIRS.roll(-1, 0))}
+    with_tokens = json.loads(json.dumps(rt.divergence(routes, E, k, tokens)))['layers'][0]['pairs'][0]
+    assert with_tokens['kappa_given_token'] == pytest.approx(0.0, abs=1e-12) and with_tokens['kappa'] > 0.05
+    assert with_tokens['o_ind_token'] == pytest.approx(with_tokens['mean_overlap'])
+    without = rt.divergence(routes, E, k)['layers'][0]['pairs'][0]  # not measured: null in the JSON
+    assert without['kappa_given_token'] is None and without['o_ind_token'] is None
+
+
+def test_cli_prints_and_stores_kappa_given_token_and_its_mean_in_the_summary(tmp_path, tiny_data, capsys):
+    out = moe_ckpt(tmp_path, tiny_data)
+    rt.main([str(out), '--data_dir', str(tiny_data), '--device=cpu', '--batches=2', '--batch_size=4'])
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.lstrip().startswith('loops'))
+    assert header.split()[-3:] == ['kappa|token', 'JS', 'bits'] and 'mean kappa|token' in text
+    pairs = [p for L in json.loads((out / 'routing.json').read_text())['layers'] for p in L['pairs']]
+    assert all(p['o_ind_token'] is not None and 'kappa_given_token' in p for p in pairs)
