@@ -204,7 +204,7 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, tied=None, k=1):
-        # (y, this visit's Route) at loop k; tied: loop 1's experts (BT, k), which tied routing reuses (§5)
+        # (y, this visit's Route) at loop k; tied: loop 1's experts (BT, top_k), which tied routing reuses
         B, T, C = x.size()
         x = x.view(B * T, C)                               # (BT, C): every token routes alone
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32, under AMP too
