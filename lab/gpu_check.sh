@@ -16,8 +16,9 @@
 #      RMSNorm and penalty arms, 6 runs evaluated at 1,000, 3,000 and 10,000 steps), each compared pair on
 #      this one machine. On an H200 the first took 5.5 min for 15 of its runs, the second 2.9 min to 3,000
 #      steps (the README of each assets/runs folder). Needs data/shakespeare_char (python prepare.py
-#      shakespeare_char). The run folders, less their checkpoints, go to $OUT/lab_runs.tar.gz; a cut-short run resumes from
-#      its folder on a later call (bring the folders back under /tmp/lab, checkpoints included)
+#      shakespeare_char). The run folders, less their checkpoints, go to $OUT/lab_runs.tar.gz; a cut-short
+#      run resumes from its folder on a later call (bring the folders back under /tmp/lab, checkpoints
+#      included)
 # The training runs read local data, since the GPU machine has no internet. Prepare it first, on a machine
 # that has the network (or pass --input path/to/input.txt), and bring data/ along:
 #   python prepare.py shakespeare     # tinyshakespeare in GPT-2 BPE: data/shakespeare, ~300k train tokens
