@@ -134,8 +134,12 @@ def verdict(values, every, mean_ok, how):
     return word, len(values), how
 
 
+def final(e):
+    # an evaluation's val CE at full depth: its last boundary
+    return e['boundary_ce'][-1]
+
+
 def verdicts(ev):
-    final = lambda e: e['boundary_ce'][-1]
     gap = paired(ev, lambda u, d, m: (final(d) - final(m)) / (final(d) - final(u)),
                  'dense_unique', 'dense_looped', 'looped_moe')
     inner = lambda e: e['boundary_ce'][:-1]  # the boundaries before full depth
@@ -179,7 +183,6 @@ def verdicts(ev):
 def forced_verdict(ev):
     # (f): the disjoint arm against free routing, paired by seed; the tied arm's side read the same way
     # (positive: above free routing), so both halves of the causal test are in the one line
-    final = lambda e: e['boundary_ce'][-1]
     forced = paired(ev, lambda m, f: final(f) - final(m), 'looped_moe', 'looped_moe_disjoint')
     tied = paired(ev, lambda m, t: final(t) - final(m), 'looped_moe', 'looped_moe_tied')
     side = (f"; tied - free {mean(tied):+.4f} nats on the mean, above 0 in {sum(x > 0 for x in tied)} of "
@@ -206,7 +209,7 @@ def ce_table(ev):
 
 
 def paired_table(ev):
-    final = lambda name, s: ev.get(name, {}).get(s, {}).get('boundary_ce', [None])[-1]
+    at = lambda name, s: ev.get(name, {}).get(s, {}).get('boundary_ce', [None])[-1]  # None: no such run
     seeds = sorted({s for runs in ev.values() for s in runs})
     arms = [n for n in ARMS if ev.get(n)]  # the arms with runs: a preset may have a subset
     lines = ["### Paired by seed: full-depth CE and the shares the verdicts read", "",
@@ -215,11 +218,11 @@ def paired_table(ev):
              "| seed | " + ' | '.join(arms) + " | gap closed | tied keeps |",
              "|---|" + "---|" * (len(arms) + 2)]
     for s in seeds:
-        u, m, d, t = (final(n, s) for n in ('dense_unique', 'looped_moe', 'dense_looped', 'looped_moe_tied'))
+        u, m, d, t = (at(n, s) for n in ('dense_unique', 'looped_moe', 'dense_looped', 'looped_moe_tied'))
         share = lambda a, b: (a / b) if a is not None and b else None
         closed = share(d - m, d - u) if None not in (u, m, d) else None
         kept = share(d - t, d - m) if None not in (m, d, t) else None
-        lines.append(f"| {s} | " + ' | '.join(fmt(final(n, s), '.4f') for n in arms)
+        lines.append(f"| {s} | " + ' | '.join(fmt(at(n, s), '.4f') for n in arms)
                      + f" | {fmt(closed, '.2f')} | {fmt(kept, '.2f')} |")
     return lines + [""]
 

@@ -106,11 +106,12 @@ def kappa_given_token(a, b, tokens, E):
     assert tokens.numel() == a.size(0), f"{tokens.numel()} input tokens for {a.size(0)} routed rows"
     V = int(tokens.max()) + 1
     n = torch.bincount(tokens, minlength=V).double()
-    pa = torch.zeros(V, E, dtype=torch.float64).index_add_(0, tokens, members(a, E))  # n_t P_a(e in S | t)
-    pb = torch.zeros(V, E, dtype=torch.float64).index_add_(0, tokens, members(b, E))
+    ma, mb = members(a, E), members(b, E)
+    pa = torch.zeros(V, E, dtype=torch.float64).index_add_(0, tokens, ma)  # n_t P_a(e in S | t)
+    pb = torch.zeros(V, E, dtype=torch.float64).index_add_(0, tokens, mb)
     seen = n > 0
     o_ind = ((pa[seen] * pb[seen]).sum(1) / n[seen]).sum().item() / tokens.numel()
-    observed = (members(a, E) * members(b, E)).sum(1).mean().item()
+    observed = (ma * mb).sum(1).mean().item()
     return o_ind, None if k - o_ind < 1e-9 else (observed - o_ind) / (k - o_ind)
 
 
