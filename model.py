@@ -48,6 +48,7 @@ class GPTConfig:
     norm: str = 'rmsnorm'          # the norm inside blocks: rmsnorm | layernorm
     init: str = 'reference'        # reference (PyTorch defaults, wte ~ N(0,1)) | gpt2 (N(0, 0.02))
     embd_std: float = 0.0          # std of wte (and a learned wpe) at init; 0 = the init's own (1 | 0.02)
+    tie_head: bool = True          # the LM head is wte; False: a head of its own, on the init's own scale
     attn_impl: str = 'auto'        # auto | sdpa | math | explicit: one result, only speed differs
     # ---- §1 the readout blind spot ----
     readout: str = 'rmsnorm'       # before the LM head: rmsnorm | layernorm | raw | final_only
@@ -134,8 +135,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        # q, k, v in one matrix
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # q, k, v in one matrix
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.attn_dropout = config.dropout  # on the attention weights; none after c_proj, as paper 1's code
         self.attn_impl, self.n_head = config.attn_impl, config.n_head
@@ -338,7 +338,8 @@ class GPT(nn.Module):
         if config.exit_gate == 'learned':
             self.exit_gate = nn.Linear(C, 1)  # lambda_k = sigmoid(w . z_k + b) (Ouro, §4)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied, as in both papers' models
+        if config.tie_head:  # as in both papers' models: then embd_std is the head's scale too
+            self.transformer.wte.weight = self.lm_head.weight
         if config.pos == 'rope':
             hs = C // config.n_head
             inv_freq = 1.0 / (10000 ** (torch.arange(0, hs, 2).float() / hs))
@@ -463,8 +464,7 @@ class GPT(nn.Module):
         return self.lm_head(self.coda_readout(h, k))
 
     def gate(self, z):
-        # §4 (Ouro): lambda_k = sigmoid(w . z_k + b), the chance to stop at exit k if no earlier
-        # exit stopped; z (..., C) -> (...)
+        # §4 (Ouro): lambda_k = sigmoid(w . z_k + b), P(stop at exit k | not before); z (..., C) -> (...)
         return torch.sigmoid(self.exit_gate(z).float()).squeeze(-1)
 
     # ---- the loss ----

@@ -8,6 +8,7 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
     python lab/ablate.py matched_long  # the same at 1,000, 3,000 and 10,000 steps of one run, 3 seeds
     python lab/ablate.py init_split  # the blind-spot pair under each init's embedding and block matrices
     python lab/ablate.py init_gpt2   # the blind-spot pair under GPT-2's init, 3 seeds
+    python lab/ablate.py init_untied # the split's std 1 and 0.02 embeddings with a head of its own
     python lab/ablate.py deeploop    # paper 2: sandwich p 0, 1/4, 1/2 vs pre-norm, R 1-7, 4-5 LRs a block
     python lab/ablate.py recurrent   # the recurrent-depth family (§4): injection, random depth, Huginn, Ouro
     python lab/ablate.py growing     # paper 1's "still growing": per-loop RMSNorm vs raw readout, 10k steps
@@ -246,6 +247,14 @@ PRESETS['init_split'] = dict(
     arms=[arm(f'loop_{r}-{name}', f'config/loop_{r}.py', init=init, embd_std=std,
               tags=dict(init=name, readout=r))
           for name, init, std in INITS for r in ('rmsnorm', 'raw')])
+# the split's caveat: a tied head makes embd_std the raw readout's logit scale too. The same embedding stds
+# (reference blocks) with a head of its own, on the init's own scale (PyTorch's default, std ~0.05 at d 128)
+PRESETS['init_untied'] = dict(
+    PRESETS['init_split'], title="Paper 1's init split with an untied LM head: embedding std 1 | 0.02 under "
+                                 "the reference blocks, per-loop RMSNorm vs raw readout, three seeds",
+    arms=[arm(f'loop_{r}-{name}-untied', f'config/loop_{r}.py', init='reference', embd_std=std,
+              tie_head=False, tags=dict(init=name, readout=r, head='untied'))
+          for name, std in (('reference', 1.0), ('reference_emb0.02', 0.02)) for r in ('rmsnorm', 'raw')])
 LONG = dict(max_iters=2000, eval_interval=50)
 PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
     title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",

@@ -43,7 +43,8 @@ The sweep trains such a table here, through lab/ablate.py's runners (local, or -
 Iso-depth: prelude + (looped / r) blocks x r + coda, r in {1, 2, 4, 8}, the widths of each FLOP budget, one
 seed per cell and a second on four baseline cells (the run-to-run noise), terminal supervision; a run's
 steps are its budget over accounting.flops_per_token. A finished run is skipped on the next call. Each case is
-fitted to its runs and the shared r = 1 runs: <report_dir>/isodepth.md, isodepth.json (the fits, the runs),
+fitted to its runs and the shared r = 1 runs, and each case study against the baseline on the cells both hold
+(delta_phi, with a paired bootstrap CI): <report_dir>/isodepth.md, isodepth.json (the fits, the runs),
 isodepth_<case>.csv (the --fit table of each case) and the plots. --widths, --budgets and --rs replace the
 preset's grid; any other --key=value is a config override for every run.
 """
@@ -337,12 +338,60 @@ def fit(runs, starts=500, resamples=200, boot_starts=20, seed=0, test_resamples=
         out['phi'] = None  # a number here would be read as a measurement
     return out
 
+
+def shared_cells(base, case):
+    """Each table's rows in the (budget, r) cells that both tables hold: {cell key: row indices} per table.
+    Budgets are labelled over both tables at once, so that a cell means the same budget in each."""
+    budget = np.concatenate([t['budget'] for t in (base, case)])
+    label = groups(budget)
+    keyed = []
+    for t, lab in ((base, label[:len(base['r'])]), (case, label[len(base['r']):])):
+        keys = {}
+        for i, key in enumerate(zip(lab, t['r'])):
+            keys.setdefault(key, []).append(i)
+        keyed.append(keys)
+    common = sorted(set(keyed[0]) & set(keyed[1]))
+    return common, [{k: np.array(keys[k]) for k in common} for keys in keyed]
+
+
+def delta_phi(base, case, starts=500, resamples=200, boot_starts=20, seed=0):
+    """phi of a case study minus the baseline's (read_runs' dicts, each with its budget column), both fitted
+    to the (budget, r) cells they share, and the paired bootstrap's 95 % CI: every draw resamples those cells
+    once and refits both tables to the same draw, so the r = 1 runs the cases share, and the budgets' luck,
+    cancel in the difference. Also the baseline's phi on those cells (its own fit may hold more)."""
+    common, rows = shared_cells(base, case)
+    logs = []  # each table's log n_once, n_rec, r, tokens and log L
+    for t, idx in zip((base, case), rows):
+        sub = {c: t[c][np.concatenate([idx[k] for k in common] or [[]]).astype(int)]
+               for c in (*COLUMNS, 'budget')}
+        why = not_identified(sub)
+        if why:
+            return dict(error=f"on the {len(common)} cells both cases hold: {why}", n_cells=len(common))
+        logs.append(np.log(np.stack([t[c] for c in COLUMNS])))
+
+    def refit(x, idx, keys, starts):
+        take = np.concatenate([idx[k] for k in keys])
+        return fit_once(x[:4, take], x[4, take], starts, BOX)[0]
+    rng = np.random.default_rng([seed, 2])
+    point = [refit(x, idx, common, random_starts(rng, starts)) for x, idx in zip(logs, rows)]
+    deltas, degenerate = [], 0
+    for _ in range(resamples):
+        drawn = [common[i] for i in rng.integers(len(common), size=len(common))]
+        degenerate += len({b for b, _ in drawn}) < 2 or len({r for _, r in drawn}) < 2
+        phis = [refit(x, idx, drawn, [theta, *random_starts(rng, boot_starts)])[-1]
+                for x, idx, theta in zip(logs, rows, point)]
+        deltas.append(phis[1] - phis[0])
+    lo, hi = (float(v) for v in np.percentile(deltas, [2.5, 97.5]))
+    return dict(delta_phi=float(point[1][-1] - point[0][-1]), delta_phi_ci=[lo, hi], n_cells=len(common),
+                baseline_phi=float(point[0][-1]), case_phi=float(point[1][-1]), resamples=resamples,
+                degenerate_resamples=degenerate, delta_boot=[round(float(d), 4) for d in deltas])
+
 # -----------------------------------------------------------------------------
 # the sweep: the iso-depth grid, trained through lab/ablate.py's runners
 
 CASES = ('baseline', 'truncated', 'hyper')  # the paper's model and its two case studies (docs/papers.md §3)
-PAPER_PHI = dict(baseline=0.459, truncated=0.380, hyper=0.646)  # the paper's point fits (its 4-budget subset
-                                                                # for the case studies: 0.453 baseline)
+PAPER_PHI = dict(baseline=0.459, truncated=0.380, hyper=0.646)  # the paper's point fits
+PAPER_SUBSET_PHI = 0.453  # its baseline on the case studies' 4 budgets: the paper's delta phi starts here
 # a preset: the base config, the effective depth prelude + looped + coda (looped = K r), heads of `head`
 # channels, the widths of each FLOP budget, r, the seeds (the second on a few cells: the run-to-run noise),
 # the evaluations after step 0 (the last gives the loss; more leave checkpoints to resume from)
@@ -644,6 +693,13 @@ def sweep_report(jobs, args, sweep_info):
         out['cases'][case] = dict(fit_case(case_rows, args), planned=len(planned), finished=finished,
                                   earlier=len(case_rows) - finished,
                                   interior_minima=[sum(inside), len(inside)])
+    tables = {case: {c: np.array([row[c] for row in rows if case in row['cases']], float)
+                     for c in (*COLUMNS, 'budget')} for case in CASES}
+    for case in CASES[1:]:  # each case study against the baseline, on the cells both hold
+        res = out['cases'][case]
+        d = (delta_phi(tables['baseline'], tables[case], args.starts, args.resamples, args.boot_starts,
+                       args.seed) if 'error' not in res else dict(error=res['error']))
+        res.update(delta_phi=d.get('delta_phi'), delta_phi_ci=d.get('delta_phi_ci'), delta=d)
     for case, (claim, word, _) in verdicts(out['cases']).items():
         out['cases'][case].update(claim=claim, verdict=word)
     with open(os.path.join(args.report_dir, 'isodepth.json'), 'w', encoding='utf-8') as f:
@@ -683,10 +739,15 @@ def test_cells(t):
             fmt(t['p'], '.2g'), boot]
 
 
-def ci_overlap(a, b):
-    """How much of the narrower of two intervals the other covers: 0 disjoint, 1 nested."""
-    inter = min(a[1], b[1]) - max(a[0], b[0])
-    return max(0.0, inter) / max(min(a[1] - a[0], b[1] - b[0]), 1e-12)
+def delta_cells(res):
+    """The report's cells of a case study against the baseline (delta_phi): the shared cells, both phis,
+    their difference and its paired CI."""
+    d = res.get('delta') or {}
+    if 'error' in d or res.get('delta_phi') is None:
+        return [f"not compared: {d.get('error') or res.get('error')}"] + [''] * 4
+    lo, hi = res['delta_phi_ci']
+    return [str(d['n_cells']), fmt(d['baseline_phi']), fmt(d['case_phi']), fmt(res['delta_phi'], '+.3f'),
+            f"[{fmt(lo, '+.3f')}, {fmt(hi, '+.3f')}]"]
 
 
 CLAIMS = {'baseline': 'a loop is worth part of a unique block (0 < phi < 1)',
@@ -713,18 +774,18 @@ def verdicts(cases):
                            f"the CI lies inside (0, 1), direction only if the point fit does")
     for case, sign in (('truncated', -1), ('hyper', +1)):
         res = cases.get(case, {})
-        if base.get('phi') is None or res.get('phi') is None:
-            why = res.get('error') or ('phi not identified' if res else 'the case has not run')
+        if res.get('delta_phi') is None:
+            why = (res.get('delta') or {}).get('error') or res.get('error') or 'the case has not run'
             out[case] = (CLAIMS[case], 'not tested', why)
             continue
-        d = sign * (res['phi'] - base['phi'])
-        apart = (res['phi_ci'][0] > base['phi_ci'][1]) if sign > 0 else (res['phi_ci'][1] < base['phi_ci'][0])
-        word = 'reproduces' if apart else 'direction only' if d > 0 else 'does not reproduce'
+        lo, hi = res['delta_phi_ci']
+        word = ('reproduces' if (hi < 0 if sign < 0 else lo > 0) else
+                'direction only' if sign * res['delta_phi'] > 0 else 'does not reproduce')
         out[case] = (CLAIMS[case], word,
-                     f"phi {fmt(res['phi'])} [{fmt(res['phi_ci'][0])}, {fmt(res['phi_ci'][1])}] against the "
-                     f"baseline's {fmt(base['phi'])}; the CIs overlap over "
-                     f"{fmt(ci_overlap(res['phi_ci'], base['phi_ci']), '.2f')} of the narrower; reproduces "
-                     f"if the CIs are apart in the claimed order, direction only if the points are")
+                     f"delta phi {fmt(res['delta_phi'], '+.3f')}, paired 95 % CI [{fmt(lo, '+.3f')}, "
+                     f"{fmt(hi, '+.3f')}] over the {res['delta']['n_cells']} (budget, r) cells both hold; "
+                     f"reproduces if the CI excludes 0 on the paper's side, direction only if the point "
+                     f"does")
     return out
 
 
@@ -751,6 +812,15 @@ def report_lines(out, jobs):
     for case, res in out['cases'].items():
         lines.append(f"| {case} | {runs_cell(res)} | " + ' | '.join(phi_cells(res)) +
                      f" | {PAPER_PHI[case]} |")
+    lines += ["", "Each case study against the baseline: both refitted to the (budget, r) cells they both "
+              "hold, and a paired bootstrap of those cells (every draw refits both to the same cells; "
+              "percentile 95 % CI).", "",
+              "<!-- from isodepth.json: delta_phi, delta_phi_ci and delta of each case study -->",
+              "| case | cells | phi, baseline | phi, case | delta phi | paired 95 % CI | paper |",
+              "|---|---|---|---|---|---|---|"]
+    for case in CASES[1:]:
+        lines.append(f"| {case} | " + ' | '.join(delta_cells(out['cases'][case])) +
+                     f" | {PAPER_PHI[case] - PAPER_SUBSET_PHI:+.3f} |")
     lines += ["", "phi fixed against phi free, by the objectives the fits minimise (docs/isodepth.md): the "
               "Huber objective of the fixed fit against the free fit's; the same for least squares on log L, "
               "whose likelihood ratio under the Gaussian model, n log(SSR fixed / SSR free), has the chi^2 "

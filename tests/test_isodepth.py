@@ -466,13 +466,21 @@ def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp
         # the case's CSV refits to the same phi with the same seed: the JSON is the --fit of that table
         path = tmp_path / 'rep' / f'isodepth_{case}.csv'
         assert isodepth.fit(isodepth.read_runs(str(path)), 10, 20, 1, 0)['phi_fit'] == fit['phi_fit']
+    for case in ('truncated', 'hyper'):  # each against the baseline, on the 3 x 2 cells both hold
+        fit = res['cases'][case]
+        assert {'delta_phi', 'delta_phi_ci'} <= set(fit) and fit['delta']['n_cells'] == 6
+        assert f"| {case} | " + ' | '.join(isodepth.delta_cells(fit)) + ' |' in md
+        assert fit['delta_phi'] == pytest.approx(fit['delta']['case_phi'] - fit['delta']['baseline_phi'])
     for row in res['runs']:
         assert f"| {row['name']} |" in md and f"{row['loss']:.4f} |" in md
 
 
-def fit_result(phi, lo, hi):
+def fit_result(phi, lo, hi, delta=None):
     test = dict(statistic=10.0, p=0.0016, objective_ratio=1.2)
-    return dict(phi=phi, phi_ci=[lo, hi], vs_phi0=test, vs_phi1=test)
+    out = dict(phi=phi, phi_ci=[lo, hi], vs_phi0=test, vs_phi1=test)
+    if delta:  # a case study: its delta phi against the baseline and the paired CI
+        out.update(delta_phi=delta[0], delta_phi_ci=list(delta[1:]), delta=dict(n_cells=12))
+    return out
 
 
 def verdict(lines, claim):
@@ -480,25 +488,59 @@ def verdict(lines, claim):
 
 
 @pytest.mark.parametrize('base,truncated,hyper,words', [
-    ((0.46, 0.41, 0.53), (0.30, 0.20, 0.38), (0.65, 0.58, 0.72), ('reproduces',) * 3),
-    ((0.46, 0.30, 1.10), (0.40, 0.20, 0.60), (0.50, 0.30, 0.70), ('direction only',) * 3),
-    ((1.20, 1.05, 1.30), (1.30, 1.10, 1.50), (1.10, 1.00, 1.20), ('does not reproduce',) * 3),
+    ((0.46, 0.41, 0.53), (-0.10, -0.15, -0.02), (+0.20, +0.12, +0.27), ('reproduces',) * 3),
+    ((0.46, 0.30, 1.10), (-0.05, -0.12, +0.03), (+0.04, -0.02, +0.09), ('direction only',) * 3),
+    ((1.20, 1.05, 1.30), (+0.10, +0.02, +0.17), (-0.10, -0.18, -0.03), ('does not reproduce',) * 3),
 ])
-def test_phi_verdicts_ask_the_ci_inside_0_1_and_the_case_cis_apart_in_the_papers_order(base, truncated,
-                                                                                       hyper, words):
-    fits = dict(baseline=fit_result(*base), truncated=fit_result(*truncated), hyper=fit_result(*hyper))
+def test_phi_verdicts_ask_the_ci_inside_0_1_and_the_paired_delta_ci_on_the_papers_side_of_0(base, truncated,
+                                                                                           hyper, words):
+    # the case studies' phis themselves are not read: their difference from the baseline is, with its CI
+    fits = dict(baseline=fit_result(*base), truncated=fit_result(0.3, -1, 2, truncated),
+                hyper=fit_result(0.6, -1, 2, hyper))
     lines = isodepth.verdict_lines(fits)
     claims = ('a loop is worth part', 'truncated backprop lowers phi', 'hyper-connections raise phi')
     assert tuple(verdict(lines, c) for c in claims) == words
     assert tuple(word for _, word, _ in isodepth.verdicts(fits).values()) == words
 
 
-def test_phi_verdicts_say_not_tested_without_a_measured_phi():
+def test_phi_verdicts_say_not_tested_without_a_measured_delta():
     fits = dict(baseline=fit_result(0.46, 0.41, 0.53), truncated=dict(error='no finished run'),
-                hyper=dict(fit_result(0.5, -1.0, 2.0), phi=None))
+                hyper=dict(fit_result(0.5, -1.0, 2.0), delta=dict(error='on the 3 cells both cases hold')))
     lines = isodepth.verdict_lines(fits)
     assert verdict(lines, 'truncated') == verdict(lines, 'hyper') == 'not tested'
-    assert isodepth.ci_overlap((0, 1), (0.5, 0.7)) == 1 and isodepth.ci_overlap((0, 1), (2, 3)) == 0
+    assert 'on the 3 cells' in next(line for line in lines if 'hyper' in line)
+
+
+def shared_r1(base, case):
+    # a case study's table: its own runs at r > 1, and the baseline's runs at r = 1, which the cases share
+    one = case['r'] == 1
+    case['loss'][one] = base['loss'][one]
+    return case
+
+
+@pytest.mark.parametrize('phi,side', [(0.2, -1), (0.46, 0), (0.65, +1)])
+def test_the_paired_bootstrap_of_delta_phi_sees_a_case_studys_shift_and_no_shift_where_there_is_none(phi,
+                                                                                                      side):
+    # the baseline drawn at phi 0.46 and a case study at phi, both at 0.01 nats: the delta's paired CI lies
+    # on the side of 0 that the truth does, and holds 0 when the case is the baseline's law. One draw each
+    base = draw(0.46, seed=1)
+    d = isodepth.delta_phi(base, shared_r1(base, draw(phi, seed=3)), starts=30, resamples=60, boot_starts=2)
+    lo, hi = d['delta_phi_ci']
+    assert d['n_cells'] == 12 and lo <= d['delta_phi'] <= hi, d
+    assert d['delta_phi'] == pytest.approx(d['case_phi'] - d['baseline_phi'])
+    assert (lo > 0) - (hi < 0) == side, d
+    assert abs(d['delta_phi'] - (phi - 0.46)) < 0.1, d
+
+
+def test_delta_phi_uses_only_the_cells_both_tables_hold_and_says_when_too_few_remain():
+    # the case study ran at the lowest budget only: its cells and the baseline's share 4, too few to fit
+    base = draw(0.46, seed=1)
+    case = shared_r1(base, draw(0.2, seed=3))
+    low = case['budget'] == BUDGETS[0]
+    d = isodepth.delta_phi(base, {k: v[low] for k, v in case.items()}, starts=5, resamples=2)
+    assert d['n_cells'] == 4 and 'on the 4 cells both cases hold' in d['error']
+    common, rows = isodepth.shared_cells(base, {k: v[low] for k, v in case.items()})
+    assert len(common) == 4 and all(len(r[k]) == 4 for r in rows for k in common)  # 4 widths a cell
 
 
 BAD_SWEEPS = {  # flags -> what the one line says
@@ -566,23 +608,47 @@ def test_the_committed_baseline_rejects_phi_1_by_the_likelihood_ratio_its_csv_gi
     assert res['vs_phi1']['objective_ratio'] > 1 and res['vs_phi1']['p_boot'] < 0.05
 
 
-def test_the_committed_report_has_both_tests_for_each_case_and_says_not_tested_without_numbers():
+def test_a_case_without_runs_at_r_above_1_is_not_tested_and_carries_no_number():
+    # a case study whose only runs are the shared r = 1 ones: null phi, CI and tests, each saying why
+    runs, columns = draw(0.46, keep=lambda g: g[:, 2] == 1), (*isodepth.COLUMNS, 'budget')
+    rows = [dict(zip(columns, vals)) for vals in zip(*(runs[c] for c in columns))]
+    res = isodepth.fit_case(rows, None)
+    assert 'r = 1' in res['error'] and res['phi'] is None and res['phi_ci'] is None
+    assert res['vs_phi1']['statistic'] is None and res['vs_phi1']['p'] is None
+    assert res['vs_phi1']['why'].startswith('not tested')
+    base = fit_result(0.46, 0.41, 0.53)
+    assert isodepth.verdicts(dict(baseline=base, hyper=res))['hyper'][1] == 'not tested'
+
+
+def test_the_committed_report_has_phi_both_tests_and_a_paired_delta_for_every_case():
     cases = committed()['cases']
     assert set(cases) == set(isodepth.CASES)
     for case, res in cases.items():
         assert {'phi', 'phi_ci', 'vs_phi0', 'vs_phi1', 'verdict'} <= set(res), case
         assert all({'statistic', 'p'} <= set(res[t]) for t in ('vs_phi0', 'vs_phi1')), case
-    for case in ('truncated', 'hyper'):  # 14 runs each, all at r = 1: nothing to test, and no number made up
+        assert res['phi'] is not None and res['verdict'] != 'not tested', case
+        assert res['interior_minima'][0] >= 0.75 * res['interior_minima'][1], case
+    for case in ('truncated', 'hyper'):
         res = cases[case]
-        assert res['verdict'] == 'not tested' and 'r = 1' in res['error']
-        assert res['phi'] is None and res['phi_ci'] is None
-        assert res['vs_phi1']['statistic'] is None and res['vs_phi1']['p'] is None
-        assert res['vs_phi1']['why'].startswith('not tested')
+        lo, hi = res['delta_phi_ci']
+        assert lo <= res['delta_phi'] <= hi and res['delta']['resamples'] == res['resamples']
+        assert res['delta_phi'] == pytest.approx(res['delta']['case_phi'] - res['delta']['baseline_phi'])
     # E: on the first grid alone the box's lower edge (0.05 nats) stopped the phi = 1 fit and half the
     # bootstrap's refits; with the bracketing grid no full fit ends on an edge, and few refits do
     base = cases['baseline']
     assert all(base['fits'][f]['on_edge'] == [] for f in ('free', 'phi=0', 'phi=1')), base['fits']
     assert base['box_edges']['e']['low'] <= 0.05 * base['resamples']
+
+
+@pytest.mark.parametrize('case', ['truncated', 'hyper'])
+def test_the_committed_delta_phi_is_the_difference_of_the_two_fits_on_the_cells_both_csvs_hold(case):
+    # the point delta refitted from the committed tables with 30 starts instead of 500 (no bootstrap)
+    res = committed()['cases'][case]
+    base, other = (isodepth.read_runs(os.path.join(REPO, 'assets', f'isodepth_{c}.csv'))
+                   for c in ('baseline', case))
+    d = isodepth.delta_phi(base, other, starts=30, resamples=1, boot_starts=0)
+    assert d['n_cells'] == res['delta']['n_cells']
+    assert d['delta_phi'] == pytest.approx(res['delta_phi'], abs=2e-3)
 
 
 def test_the_laptop_grid_brackets_the_minimum_over_width_where_the_first_grid_did_not(repo_dir, monkeypatch):

@@ -182,6 +182,25 @@ def test_reference_init_starts_near_sqrt_d_and_gpt2_init_near_zero():
     assert 0.5 * math.sqrt(64) < ref < 3 * math.sqrt(64) and gpt2 < 1.0
 
 
+
+@pytest.mark.parametrize('std', [1.0, 0.02])
+def test_a_tied_head_takes_the_embeddings_scale_and_an_untied_one_keeps_its_inits_own(std):
+    # the init split's caveat (docs/results.md): tied, embd_std is also the raw readout's logit scale;
+    # untied, the head is a matrix of its own on PyTorch's default (Kaiming-uniform, std 1/sqrt(3C))
+    C = 64
+    tied = tiny(init='reference', embd_std=std, n_embd=C, n_head=4)
+    own = tiny(init='reference', embd_std=std, n_embd=C, n_head=4, tie_head=False)
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+    assert own.lm_head.weight is not own.transformer.wte.weight
+    assert own.transformer.wte.weight.std().item() == pytest.approx(std, rel=0.1)
+    assert own.lm_head.weight.std().item() == pytest.approx(1 / math.sqrt(3 * C), rel=0.1)
+    # the untied head is one more V x C matrix to train, and the embedding's scale leaves the logits alone
+    assert sum(p.numel() for p in own.parameters()) == sum(p.numel() for p in tied.parameters()) + V * C
+    idx, tgt = batch()
+    loss = own(idx, tgt)[1]
+    loss.backward()
+    assert own.lm_head.weight.grad is not None and own.transformer.wte.weight.grad is not None
+
 # ---------------------------------------------------------------- DeepLoop scaling (docs/papers.md §2)
 
 @pytest.mark.parametrize('K,R', [(1, 1), (2, 4), (4, 3), (12, 3)])
