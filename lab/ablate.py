@@ -196,6 +196,12 @@ PRESETS['matched_pairs'] = dict(
     title="Paper 1, matched inference depth: the norm penalty against per-loop RMSNorm, each seed's pair on "
           "one machine",
     arms=[a for a in PRESETS['matched_long']['arms'] if a['name'] in ('loop_rmsnorm', 'loop_penalty')])
+# the same pairs on one CPU for the seeds whose 10,000-step pair ran on two CPUs in matched_long (seed 3's
+# shared one): `--dtype=float32 --workers=2` keeps a seed's two runs side by side, about 35 min each on a Zen 4
+PRESETS['matched_pairs_cpu'] = dict(
+    PRESETS['matched_pairs'], seeds=(1, 2),
+    title="Paper 1, matched inference depth: the norm penalty against per-loop RMSNorm, each seed's pair on "
+          "one CPU")
 # Looped-MoE (docs/papers.md §5): dense and MoE, unique (8 layers) and looped (2 layers x 4 loops), at
 # matched active parameters per token (an expert is 4C/k wide) and the same FLOPs per token, on DeepLoop's
 # laptop base with the paper's SwiGLU; each run then read out at every boundary of 2 layers (lab/moe.py)

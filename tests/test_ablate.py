@@ -775,7 +775,7 @@ def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(
 # the reruns that put each compared pair on one machine: the GPU's matched-depth pairs and Looped-MoE at the
 # paper's shape (its disjoint arm did not finish there), the CPU's causal arms of that shape, and the init
 # split's untied-head arms
-RERUNS = [('matched_pairs', []), ('moe_causal', []), ('init_untied', []),
+RERUNS = [('matched_pairs', []), ('matched_pairs_cpu', []), ('moe_causal', []), ('init_untied', []),
           ('moe_4x2', ['--only=dense_unique,moe_unique,dense_looped,looped_moe,looped_moe_tied'])]
 
 
