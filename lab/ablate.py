@@ -197,7 +197,7 @@ PRESETS['matched_pairs'] = dict(
           "one machine",
     arms=[a for a in PRESETS['matched_long']['arms'] if a['name'] in ('loop_rmsnorm', 'loop_penalty')])
 # the same pairs on one CPU for the seeds whose 10,000-step pair ran on two CPUs in matched_long (seed 3's
-# shared one): `--dtype=float32 --workers=2` keeps a seed's two runs side by side, about 35 min each on a Zen 4
+# shared one): `--dtype=float32 --workers=2` keeps a seed's two runs side by side, ~35 min each on a Zen 4
 PRESETS['matched_pairs_cpu'] = dict(
     PRESETS['matched_pairs'], seeds=(1, 2),
     title="Paper 1, matched inference depth: the norm penalty against per-loop RMSNorm, each seed's pair on "
