@@ -9,8 +9,9 @@ the others go on. A row is a request: when it has its tokens, the next prompt ta
 Each row attends to the cache slots of its own (loop, layer) visit at its own position: RowSlot gathers
 them per row and masks the positions past the row's own. A token that exits at loop k leaves in the slots
 of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1). A prompt's prefill, a window
-that slides past the block size and the first token after them run all R loops, as engine.generate does:
-the rows waiting for one take it together, through engine.decode_step.
+that slides past the block size and the first token after them run all R loops, as engine.generate does,
+through engine.decode_step: the cache holds up to 2B rows, so the next B prompts take that pass together
+and wait, passed, for rows to free (not one prompt a pass, each time a row frees).
 """
 import torch
 
@@ -39,33 +40,30 @@ def refusal(cfg, kv_policy, draft_loops=0):
 # the cache, seen by rows at their own loops and positions
 
 class RowSlot:
-    """One part's keys and values for rows `rows` (B',), each at its own plane: for the loop part the
-    tensors are (slots, B, nh, T, hs) and row b reads slot plane[b], else (B, nh, T, hs)."""
+    """One part's keys and values seen by some rows, each at its own visit: k and v flattened to
+    (visits x rows, nh, T, hs), and idx (B',) the entry each row reads and writes. index_select on the
+    first dimension gathers far faster than an index over two dimensions (plane, row)."""
 
-    def __init__(self, k, v, rows, plane=None):
-        self.k, self.v, self.rows, self.plane = k, v, rows, plane
-
-    def index(self):
-        # the rows' entries of the tensors: (rows,), or (each row's slot, rows) for the loop part
-        return (self.rows,) if self.plane is None else (self.plane, self.rows)
+    def __init__(self, k, v, idx):
+        self.k, self.v, self.idx = k.flatten(0, -4), v.flatten(0, -4), idx
 
     def write(self, k, v, pos):
         # k, v (B', nh, 1, hs): each row's new token at its own position pos (B',)
-        self.k[(*self.index(), slice(None), pos)] = k[:, :, 0].to(self.k.dtype)  # (AMP computes in bf16)
-        self.v[(*self.index(), slice(None), pos)] = v[:, :, 0].to(self.v.dtype)
+        self.k[self.idx, :, pos] = k[:, :, 0].to(self.k.dtype)  # (AMP computes in bf16)
+        self.v[self.idx, :, pos] = v[:, :, 0].to(self.v.dtype)
 
     def update(self, k, v, pos):
         # write, then each row's keys and values 0..max(pos) and the mask of the positions it has
         self.write(k, v, pos)
         n = int(pos.max()) + 1
-        keys, values = (t[..., :n, :][self.index()] for t in (self.k, self.v))  # (B', nh, n, hs)
-        mask = torch.arange(n, device=pos.device) <= pos[:, None]           # (B', n)
+        keys, values = (t[:, :, :n].index_select(0, self.idx) for t in (self.k, self.v))  # (B', nh, n, hs)
+        mask = torch.arange(n, device=pos.device) <= pos[:, None]                     # (B', n)
         return keys, values, mask[:, None, None, :]
 
     def copy_from(self, other, pos):
         # another visit's keys and values at each row's position (a skipped visit, exits.fill_skipped)
-        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
-            mine[(*self.index(), slice(None), pos)] = theirs[(*other.index(), slice(None), pos)]
+        self.k[self.idx, :, pos] = other.k[other.idx, :, pos]
+        self.v[self.idx, :, pos] = other.v[other.idx, :, pos]
 
 
 class RowView:
@@ -75,15 +73,17 @@ class RowView:
 
     def __init__(self, cache, rows, loops=None):
         self.cache, self.rows, self.loops, self.K, self.n = cache, rows, loops, cache.K, cache.n
-        self.policy = cache.policy
+        self.policy, self.B = cache.policy, cache.loop_k.size(2)
+        # the loop's tensors are (slots, K, B, ...): row b at loop k reads entry ((k-1) mod n, j, b)
+        self.entry = None if loops is None else (loops - 1) % self.n * self.K * self.B + rows  # (j = 0)
 
     def slot(self, part, j, k=1):
         c = self.cache
         if part != 'loop':
             s = c.slots[part][j]
             return RowSlot(s.k, s.v, self.rows)
-        k = self.loops if self.loops is not None else torch.full_like(self.rows, k)
-        return RowSlot(c.loop_k[:, j], c.loop_v[:, j], self.rows, (k - 1) % c.n)
+        entry = self.entry if self.entry is not None else (k - 1) % self.n * self.K * self.B + self.rows
+        return RowSlot(c.loop_k, c.loop_v, entry + j * self.B)
 
 # -----------------------------------------------------------------------------
 # one call: every row one loop
@@ -114,25 +114,27 @@ def score(model, policy, z, logits, prev, first):
 
 def fill_skipped(model, cache, rows, h, e, ks, R, pos):
     """Rows `rows` that exit at loops ks < R fill the slots of the loops they skip, as exits.fill_skipped
-    does at batch 1. Under recompute the keys and values of carry(h_k, e) are those of every skipped
-    loop: one pass over the rows, whatever loop each exited at; the other policies copy, per exit loop."""
-    if cache.policy != 'recompute':
-        for k in ks.unique().tolist():
-            r = (ks == k).nonzero().squeeze(1)
-            exits.fill_skipped(model, RowView(cache, rows[r]), h[r], e[r], k, R, pos[r])
-        return
-    x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read
-    for j, block in enumerate(model.transformer.h):
-        _, keys, values = block.attn.qkv(block.ln_1(x), rope)
-        for k2 in range(int(ks.min()) + 1, R + 1):  # the rows that skip loop k2
-            r = (ks < k2).nonzero().squeeze(1)
-            RowView(cache, rows[r]).slot('loop', j, k2).write(keys[r], values[r], pos[r])
+    does at batch 1, all exit loops at once: loop k2's slot takes, for the rows with ks < k2, the keys
+    and values of carry(h_k, e) (recompute) or of each row's own exit loop (copy, shared)."""
+    if cache.policy == 'recompute':
+        x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read
+        kv = [block.attn.qkv(block.ln_1(x), rope)[1:] for block in model.transformer.h]
+    # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
+    last = min(R, cache.n) if cache.policy == 'shared' else R
+    for k2 in range(int(ks.min()) + 1, last + 1):  # the rows that skip loop k2
+        r = (ks < k2).nonzero().squeeze(1)
+        to, exit_loop = RowView(cache, rows[r]), RowView(cache, rows[r], ks[r])
+        for j in range(cache.K):
+            if cache.policy == 'recompute':
+                to.slot('loop', j, k2).write(kv[j][0][r], kv[j][1][r], pos[r])
+            else:
+                to.slot('loop', j, k2).copy_from(exit_loop.slot('loop', j), pos[r])
 
 # -----------------------------------------------------------------------------
 # serving many prompts
 
 class Requests:
-    """The prompts, their tokens so far and the loops each new token used; which request each row
+    """The prompts, their tokens so far and the loops each new token used; which request each cache row
     serves, and each row's window start (a window slides to its last half past the block size)."""
 
     def __init__(self, prompts, B, max_new_tokens, block_size):
@@ -165,56 +167,71 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
           exit_threshold=None, exit_policy='maxprob', kv_policy='recompute', kv_slots=None):
     """Decode max_new_tokens after each prompt (lists of token ids), batch_size rows in flight, with
     continuous depth batching. Returns the token lists (prompt and new tokens) in prompt order, the loops
-    each new token used, and counts: calls (of the loop's blocks), refills (windows that slid)."""
+    each new token used, and counts: calls (of the loop's blocks), refills (windows that slid), passes
+    (prompt passes)."""
     cfg, device = model.config, model.lm_head.weight.device
     R = cfg.n_loop if n_loop is None else n_loop
     why = refusal(cfg, kv_policy)
     assert why is None, why
+    if max_new_tokens == 0:
+        return [list(p) for p in prompts], [[] for _ in prompts], dict(calls=0, refills=0, passes=0)
     threshold = None if exit_threshold is None else exits.score_threshold(exit_policy, exit_threshold)
     B = max(1, min(batch_size, len(prompts)))
-    cache = KVCache(model, B, R, device, model.lm_head.weight.dtype, kv_policy, kv_slots)
-    req, calls = Requests(prompts, B, max_new_tokens, cfg.block_size), 0
-    ks = torch.zeros(B, dtype=torch.long, device=device)     # each row's last loop run (0: a new token)
-    pos = torch.zeros(B, dtype=torch.long, device=device)    # each row's token position in its window
-    tok = torch.zeros(B, 1, dtype=torch.long, device=device)  # each row's token in flight
-    h, e = (torch.zeros(B, 1, cfg.n_embd, device=device, dtype=model.lm_head.weight.dtype) for _ in range(2))
-    live, waiting, prev = [], list(range(B)), None  # rows decoding, rows to (re)fill; exit-score state
+    # the cache holds up to 2B rows: B in flight and up to B more whose prompt pass is done, so that the
+    # prompts go through their pass B at a time (as engine.generate's batches do), not one by one
+    N = max(B, min(2 * B, len(prompts)))
+    cache = KVCache(model, N, R, device, model.lm_head.weight.dtype, kv_policy, kv_slots)
+    req, calls, passes = Requests(prompts, N, max_new_tokens, cfg.block_size), 0, 0
+    ks = torch.zeros(N, dtype=torch.long, device=device)     # each row's last loop run (0: a new token)
+    pos = torch.zeros(N, dtype=torch.long, device=device)    # each row's token position in its window
+    tok = torch.zeros(N, 1, dtype=torch.long, device=device)  # each row's token in flight
+    h, e = (torch.zeros(N, 1, cfg.n_embd, device=device, dtype=model.lm_head.weight.dtype) for _ in range(2))
+    live, ready, waiting, prev = [], [], [], None  # rows decoding, rows to go, rows to pass; score state
 
     def refill():
-        # the rows waiting for a prefill (a new prompt, or a window that slid) take it together, their
-        # windows right-padded to the longest: padding sits past each row's own tokens, where no query
-        # of that row looks before its own token overwrites it; then each row samples from its last token
-        while waiting:
-            rows = [b for b in waiting if req.row[b] is not None or enter(b)]
-            waiting.clear()
-            if not rows:
-                return
-            windows = [req.window(b) for b in rows]
-            n = max(map(len, windows))
-            idx = torch.tensor([w + w[-1:] * (n - len(w)) for w in windows], device=device)
-            last = torch.tensor([len(w) - 1 for w in windows], device=device)
-            logits = decode_step(model, idx, cache.select(torch.tensor(rows, device=device)), 0, R, last)
-            for b, t in zip(rows, pick(logits, temperature, top_k)[:, 0].tolist()):
-                go(b, req.add(b, t, R))
+        # the B places in flight take the rows that are ready; when none is, one prompt pass makes more
+        while len(live) < B and (ready or waiting or req.queue):
+            if not ready:
+                prompt_pass()
+            if ready:
+                live.append(ready.pop(0))
 
-    def enter(b):
-        # the next prompt into free row b (its window: the prompt's last block_size tokens)
-        if not req.queue or max_new_tokens == 0:
+    def prompt_pass():
+        # the rows whose window slid and the next prompts, into free cache rows, take one pass together,
+        # their windows right-padded to the longest: padding sits past each row's own tokens, where no
+        # query of that row looks before its own token overwrites it; then each samples from its last token
+        nonlocal passes
+        free = [c for c in range(N) if req.row[c] is None][:max(0, B - len(waiting))]
+        rows = waiting[:] + [c for c in free if enter(c)]
+        waiting.clear()
+        windows = [req.window(b) for b in rows]
+        n = max(map(len, windows))
+        idx = torch.tensor([w + w[-1:] * (n - len(w)) for w in windows], device=device)
+        last = torch.tensor([len(w) - 1 for w in windows], device=device)
+        logits = decode_step(model, idx, cache.select(torch.tensor(rows, device=device)), 0, R, last)
+        passes += 1
+        for b, t in zip(rows, pick(logits, temperature, top_k)[:, 0].tolist()):
+            go(b, req.add(b, t, R))
+
+    def enter(c):
+        # the next prompt into free cache row c (its window: the prompt's last block_size tokens)
+        if not req.queue:
             return False
-        req.row[b] = req.queue.pop(0)
-        req.start[b] = max(0, len(req.tokens[req.row[b]]) - cfg.block_size)
+        req.row[c] = req.queue.pop(0)
+        req.start[c] = max(0, len(req.tokens[req.row[c]]) - cfg.block_size)
         return True
 
     def go(b, step):
-        # row b after its new token: free (it takes the next prompt), to refill, or decoding at pos `step`
-        if step in ('done', 'slide'):
+        # row b after its new token: free ('done'), to pass again ('slide'), or at position `step` with
+        # the token to run from loop 1 (a row just passed waits, ready, for a place in flight)
+        if step in ('done', 'slide') and b in live:
+            live.remove(b)
+        if step == 'slide':
             waiting.append(b)
-            if b in live:
-                live.remove(b)
-        else:
+        elif step != 'done':
             tok[b, 0], pos[b], ks[b] = req.tokens[req.row[b]][-1], step, 0
             if b not in live:
-                live.append(b)
+                ready.append(b)
 
     refill()
     while live:
@@ -223,7 +240,7 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         if bool(first.any()):  # tokens that start: embed and prelude, each at its own position
             new = rows[first]
             e[new] = model.prelude(model.embed(tok[new], pos[new]), RowView(cache, new), pos[new]).to(e.dtype)
-        x = e[rows].clone()
+        x = e[rows]
         if not bool(first.all()):  # what loop k+1 reads of h_k: the inter-loop norm, then the injection
             later = (~first).nonzero().squeeze(1)
             x[later] = model.carry(h[rows[later]], e[rows[later]]).to(x.dtype)
@@ -237,7 +254,7 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         if threshold is not None:
             s, nxt = score(model, exit_policy, z, logits, None if prev is None else prev[rows], first)
             if nxt is not None:
-                prev = nxt.new_zeros(B, *nxt.shape[1:]) if prev is None else prev
+                prev = nxt.new_zeros(N, *nxt.shape[1:]) if prev is None else prev
                 prev[rows] = nxt
             done |= s >= threshold
         out = done.nonzero().squeeze(1)
@@ -251,4 +268,4 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         for b, t, k in zip(rows[out].tolist(), picked, ks[rows[out]].tolist()):
             go(b, req.add(b, t, k))
         refill()
-    return req.tokens, req.used, dict(calls=calls, refills=req.refills)
+    return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes)

@@ -10,6 +10,7 @@ a line or two.
     Saver          the checkpoint write, and what happens when it fails (a full disk)
     BadSteps       a non-finite loss or gradient: skip the update and say where it came from
     ETA            the time to max_iters, for the progress line
+    mfu            the step's model FLOPs utilisation on CUDA (accounting.py), for the same line
     Metrics        out_dir/metrics.jsonl (one JSON object per eval), and wandb
     mean_kappa     kappa_R at an eval (log_kappa, docs/papers.md §2; diagnostics.py)
     gather, from_rank0, lost_a_rank, end_process_group: DDP helpers and fault handling
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 import checkpoint
 import hardware
+from accounting import estimate_mfu
 from diagnostics import visit_alignment
 from errors import die, duration, first_line
 
@@ -310,6 +312,11 @@ class ETA:
         n, every = self.max_iters, self.eval_interval
         evals_left = n // every - it // every + (n % every != 0)
         return (n - it - 1) * self.step_time + evals_left * self.eval_time
+
+
+def mfu(model, seqs_per_iter, dt, device_type):
+    # a fraction of the chip's bf16 peak (hardware.py); off CUDA there is no peak to hold a step to
+    return estimate_mfu(model, seqs_per_iter, dt) if device_type == 'cuda' else None
 
 
 class Metrics:

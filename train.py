@@ -37,7 +37,6 @@ import checkpoint
 import configurator
 import ops
 import prepare
-from accounting import estimate_mfu
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -343,7 +342,7 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         dt, t0 = time.time() - t0, time.time()
         eta.step(iter_num, dt)
         if iter_num % log_interval == 0 and master_process:
-            mfu = estimate_mfu(raw_model, micro_steps * batch_size, dt) if device_type == 'cuda' else None
+            mfu = ops.mfu(raw_model, micro_steps * batch_size, dt, device_type)
             drawn = f" (R {R})" if raw_model.config.loop_sampling != 'fixed' else ''
             print(f"iter {iter_num}: loss {agreed.loss:.4f}{drawn}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                   f"{tokens_per_iter / dt / 1e3:.1f}k tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu else '')

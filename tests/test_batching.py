@@ -73,13 +73,13 @@ def test_the_learned_gate_exits_as_at_batch_1():
 
 def test_rows_at_different_loops_share_one_block_call(monkeypatch):
     m, ps, seen = tiny(), prompts(), []
-    view = batching.RowView
+    loops = m.loops
 
-    def spy(cache, rows, loops=None):
-        if loops is not None:
-            seen.append(loops.clone())
-        return view(cache, rows, loops)
-    monkeypatch.setattr(batching, 'RowView', spy)
+    def spy(x, e, ks, cache=None, pos=0):
+        if getattr(cache, 'loops', None) is not None:  # a call of serve: each row at its own loop
+            seen.append(cache.loops.clone())
+        return loops(x, e, ks, cache, pos)
+    monkeypatch.setattr(m, 'loops', spy)
     outs, used, stats = serve(m, ps, 12, batch_size=3, temperature=0, exit_threshold=1e-3, exit_policy='kl')
     assert stats['calls'] == len(seen)
     assert any(len(set(ks.tolist())) > 1 for ks in seen)  # one call, rows at other loops
@@ -93,6 +93,18 @@ def test_a_freed_row_takes_the_next_prompt_and_outputs_keep_the_prompts_order():
     outs, used, _ = serve(m, ps, 6, batch_size=2, temperature=0, exit_threshold=0.06)
     assert [o[:len(p)] for o, p in zip(outs, ps)] == ps and all(len(u) == 6 for u in used)
     assert serve(m, ps, 0, batch_size=2)[0] == ps  # nothing asked: the prompts come back
+
+
+def test_prompts_take_their_passes_a_batch_at_a_time_while_rows_free_one_by_one():
+    # 8 prompts on 2 rows whose tokens exit at other loops: the rows free at other calls, yet the prompts
+    # go through their prompt pass two at a time (the second waits, passed, for the next free row)
+    m, ps = tiny(), prompts(lengths=(3, 5, 2, 7, 4, 6, 3, 5))
+    kw = dict(exit_threshold=1e-3, exit_policy='kl')
+    outs, used, stats = serve(m, ps, 6, batch_size=2, temperature=0, **kw)
+    assert stats['refills'] == 0 and stats['passes'] == 4
+    assert len({sum(u) for u in used}) > 1  # the requests took other numbers of calls
+    for p, out, u in zip(ps, outs, used):
+        assert (out, u) == alone(m, p, 6, **kw)
 
 
 @pytest.mark.parametrize('kw,says', [(dict(hyper_lanes=2, inter_loop_norm='rmsnorm'), 'hyper-connections'),
