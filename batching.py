@@ -74,15 +74,18 @@ class RowView:
     def __init__(self, cache, rows, loops=None):
         self.cache, self.rows, self.loops, self.K, self.n = cache, rows, loops, cache.K, cache.n
         self.policy, self.B = cache.policy, cache.loop_k.size(2)
-        # the loop's tensors are (slots, K, B, ...): row b at loop k reads entry ((k-1) mod n, j, b)
-        self.entry = None if loops is None else (loops - 1) % self.n * self.K * self.B + rows  # (j = 0)
+        self.entry = None if loops is None else self.layer_0(loops)  # once a view, not once a layer
+
+    def layer_0(self, k):
+        # the loop's tensors are (slots, K, B, ...): row b at loop k reads entry ((k-1) mod n, j, b), j = 0
+        return (k - 1) % self.n * self.K * self.B + self.rows
 
     def slot(self, part, j, k=1):
         c = self.cache
         if part != 'loop':
             s = c.slots[part][j]
             return RowSlot(s.k, s.v, self.rows)
-        entry = self.entry if self.entry is not None else (k - 1) % self.n * self.K * self.B + self.rows
+        entry = self.entry if self.entry is not None else self.layer_0(k)
         return RowSlot(c.loop_k, c.loop_v, entry + j * self.B)
 
 # -----------------------------------------------------------------------------
@@ -123,9 +126,10 @@ def fill_skipped(model, cache, rows, h, e, ks, R, pos):
     last = min(R, cache.n) if cache.policy == 'shared' else R
     for k2 in range(int(ks.min()) + 1, last + 1):  # the rows that skip loop k2
         r = (ks < k2).nonzero().squeeze(1)
-        to, exit_loop = RowView(cache, rows[r]), RowView(cache, rows[r], ks[r])
+        to = RowView(cache, rows[r])
+        exit_loop = RowView(cache, rows[r], ks[r]) if cache.policy != 'recompute' else None
         for j in range(cache.K):
-            if cache.policy == 'recompute':
+            if exit_loop is None:
                 to.slot('loop', j, k2).write(kv[j][0][r], kv[j][1][r], pos[r])
             else:
                 to.slot('loop', j, k2).copy_from(exit_loop.slot('loop', j), pos[r])
@@ -245,12 +249,14 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
             later = (~first).nonzero().squeeze(1)
             x[later] = model.carry(h[rows[later]], e[rows[later]]).to(x.dtype)
         ks[rows] += 1
-        p, view = pos[rows], RowView(cache, rows, ks[rows])
+        k, p = ks[rows], pos[rows]  # each row's loop now and its position
+        view = RowView(cache, rows, k)
         # one block call per layer for every row, each at its own loop (its slots) and position
-        h[rows] = model.loops(x, e[rows], [1], view, p).states[0].to(h.dtype)
+        h_k = model.loops(x, e[rows], [1], view, p).states[0].to(h.dtype)
+        h[rows] = h_k
         calls += 1
-        z, logits = readout(model, h[rows], ks[rows], view, p)
-        done = ks[rows] == R
+        z, logits = readout(model, h_k, k, view, p)
+        done = k == R
         if threshold is not None:
             s, nxt = score(model, exit_policy, z, logits, None if prev is None else prev[rows], first)
             if nxt is not None:
@@ -260,12 +266,11 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         out = done.nonzero().squeeze(1)
         if out.numel() == 0:
             continue
-        early = out[ks[rows[out]] < R]
+        early = out[k[out] < R]
         if early.numel():
-            r = rows[early]
-            fill_skipped(model, cache, r, h[r], e[r], ks[r], R, pos[r])
+            fill_skipped(model, cache, rows[early], h_k[early], e[rows[early]], k[early], R, p[early])
         picked = pick(logits[out], temperature, top_k)[:, 0].tolist()
-        for b, t, k in zip(rows[out].tolist(), picked, ks[rows[out]].tolist()):
-            go(b, req.add(b, t, k))
+        for b, t, used in zip(rows[out].tolist(), picked, k[out].tolist()):
+            go(b, req.add(b, t, used))
         refill()
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes)
