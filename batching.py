@@ -8,10 +8,12 @@ the others go on. A row is a request: when it has its tokens, the next prompt ta
 
 Each row attends to the cache slots of its own (loop, layer) visit at its own position: RowSlot gathers
 them per row and masks the positions past the row's own. A token that exits at loop k leaves in the slots
-of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1). A prompt's prefill, a window
-that slides past the block size and the first token after them run all R loops, as engine.generate does,
-through engine.decode_step: the cache holds up to 2B rows, so the next B prompts take that pass together
-and wait, passed, for rows to free (not one prompt a pass, each time a row frees).
+of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1), written with the next call's
+exits (a skipped slot is first read two calls on). The state of the B rows in flight is indexed by their
+place in the batch, so that a full batch needs no gather of it. A prompt's prefill, a window that slides
+past the block size and the first token after them run all R loops, as engine.generate does, through
+engine.decode_step: the cache holds up to 2B rows, so the next B prompts take that pass together and
+wait, passed, for rows to free (not one prompt a pass, each time a row frees).
 """
 import torch
 
@@ -115,24 +117,28 @@ def score(model, policy, z, logits, prev, first):
     return pick_fresh(fresh, later), pick_fresh(fresh_prev, later_prev)
 
 
-def fill_skipped(model, cache, rows, h, e, ks, R, pos):
+def fill_skipped(model, cache, rows, h, e, ks, pos, R):
     """Rows `rows` that exit at loops ks < R fill the slots of the loops they skip, as exits.fill_skipped
-    does at batch 1, all exit loops at once: loop k2's slot takes, for the rows with ks < k2, the keys
-    and values of carry(h_k, e) (recompute) or of each row's own exit loop (copy, shared)."""
-    if cache.policy == 'recompute':
-        x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read
-        kv = [block.attn.qkv(block.ln_1(x), rope)[1:] for block in model.transformer.h]
+    does at batch 1, in one write for every row, skipped loop and layer: the keys and values of
+    carry(h_k, e) (recompute) or of the row's own exit loop (copy, shared). A row may come twice (two
+    tokens' exits, at two positions)."""
     # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
     last = min(R, cache.n) if cache.policy == 'shared' else R
-    for k2 in range(int(ks.min()) + 1, last + 1):  # the rows that skip loop k2
-        r = (ks < k2).nonzero().squeeze(1)
-        to = RowView(cache, rows[r])
-        exit_loop = RowView(cache, rows[r], ks[r]) if cache.policy != 'recompute' else None
-        for j in range(cache.K):
-            if exit_loop is None:
-                to.slot('loop', j, k2).write(kv[j][0][r], kv[j][1][r], pos[r])
-            else:
-                to.slot('loop', j, k2).copy_from(exit_loop.slot('loop', j), pos[r])
+    loops = torch.arange(1, last + 1, device=ks.device)
+    i, c = (loops > ks[:, None]).nonzero().unbind(1)  # row i skips loop loops[c]
+    layers = torch.arange(cache.K, device=ks.device) * cache.loop_k.size(2)
+    entry = lambda k: (RowView(cache, rows[i]).layer_0(k)[:, None] + layers).flatten()  # (P K,)
+    to, p = entry(loops[c]), pos[i].repeat_interleave(cache.K)
+    keys, values = cache.loop_k.flatten(0, 2), cache.loop_v.flatten(0, 2)  # (n K N, nh, T, hs)
+    if cache.policy == 'recompute':
+        x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read, the same in each
+        kv = [block.attn.qkv(block.ln_1(x), rope)[1:] for block in model.transformer.h]
+        for t, new in ((keys, [k for k, _ in kv]), (values, [v for _, v in kv])):
+            t[to, :, p] = torch.stack(new, 1)[i, :, :, 0].flatten(0, 1).to(t.dtype)  # (P K, nh, hs)
+    else:
+        frm = entry(ks[i])
+        for t in (keys, values):
+            t[to, :, p] = t[frm, :, p]
 
 # -----------------------------------------------------------------------------
 # serving many prompts
@@ -186,36 +192,67 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
     N = max(B, min(2 * B, len(prompts)))
     cache = KVCache(model, N, R, device, model.lm_head.weight.dtype, kv_policy, kv_slots)
     req, calls, passes = Requests(prompts, N, max_new_tokens, cfg.block_size), 0, 0
-    ks = torch.zeros(N, dtype=torch.long, device=device)     # each row's last loop run (0: a new token)
-    pos = torch.zeros(N, dtype=torch.long, device=device)    # each row's token position in its window
-    tok = torch.zeros(N, 1, dtype=torch.long, device=device)  # each row's token in flight
-    h, e = (torch.zeros(N, 1, cfg.n_embd, device=device, dtype=model.lm_head.weight.dtype) for _ in range(2))
-    live, ready, waiting, prev = [], [], [], None  # rows decoding, rows to go, rows to pass; score state
+    # the B places in flight, each a cache row with its token in flight: the state is indexed by place,
+    # so that a full batch runs a call without gathering it
+    at = [None] * B                                           # each place's cache row
+    rows = torch.zeros(B, dtype=torch.long, device=device)    # the same, as a tensor
+    ks = torch.zeros(B, dtype=torch.long, device=device)      # the last loop run (0: a new token)
+    pos = torch.zeros(B, dtype=torch.long, device=device)     # the token's position in its window
+    tok = torch.zeros(B, 1, dtype=torch.long, device=device)  # the token in flight
+    h, e = (torch.zeros(B, 1, cfg.n_embd, device=device, dtype=model.lm_head.weight.dtype) for _ in range(2))
+    ready, waiting, prev = [], [], None  # (row, token, position) passed; rows to pass again; score state
+    unfilled = []  # the last call's early exits: (rows, h_k, e, loops, positions), for fill_skipped
 
-    def refill():
-        # the B places in flight take the rows that are ready; when none is, one prompt pass makes more
-        while len(live) < B and (ready or waiting or req.queue):
-            if not ready:
+    def put(p, c, t, q):
+        # cache row c's token t at position q into place p, to run from loop 1
+        at[p], rows[p], tok[p, 0], pos[p], ks[p] = c, c, t, q, 0
+
+    def refill(free):
+        # free places take the rows that are ready; when none is, one prompt pass makes more. A place that
+        # none takes leaves the batch: then nothing is left to pass, so this happens only at the end
+        nonlocal at, rows, ks, pos, tok, h, e, prev
+        for p in free:
+            while not ready and (waiting or req.queue):
                 prompt_pass()
             if ready:
-                live.append(ready.pop(0))
+                put(p, *ready.pop(0))
+            else:
+                at[p] = None
+        if None in at:
+            keep = [p for p, c in enumerate(at) if c is not None]
+            keep = torch.tensor(keep, dtype=torch.long, device=device)
+            rows, ks, pos, tok, h, e = (t[keep] for t in (rows, ks, pos, tok, h, e))
+            prev = None if prev is None else prev[keep]
+            at = [c for c in at if c is not None]
 
     def prompt_pass():
         # the rows whose window slid and the next prompts, into free cache rows, take one pass together,
         # their windows right-padded to the longest: padding sits past each row's own tokens, where no
         # query of that row looks before its own token overwrites it; then each samples from its last token
         nonlocal passes
+        fill()  # before a new prompt's pass can write over a finished row's slots
         free = [c for c in range(N) if req.row[c] is None][:max(0, B - len(waiting))]
-        rows = waiting[:] + [c for c in free if enter(c)]
+        passing = waiting[:] + [c for c in free if enter(c)]
         waiting.clear()
-        windows = [req.window(b) for b in rows]
+        windows = [req.window(c) for c in passing]
         n = max(map(len, windows))
         idx = torch.tensor([w + w[-1:] * (n - len(w)) for w in windows], device=device)
         last = torch.tensor([len(w) - 1 for w in windows], device=device)
-        logits = decode_step(model, idx, cache.select(torch.tensor(rows, device=device)), 0, R, last)
+        logits = decode_step(model, idx, cache.select(torch.tensor(passing, device=device)), 0, R, last)
         passes += 1
-        for b, t in zip(rows, pick(logits, temperature, top_k)[:, 0].tolist()):
-            go(b, req.add(b, t, R))
+        for c, t in zip(passing, pick(logits, temperature, top_k)[:, 0].tolist()):
+            step = req.add(c, t, R)
+            if step == 'slide':
+                waiting.append(c)
+            elif step != 'done':
+                ready.append((c, t, step))
+
+    def fill():
+        # a skipped slot is first read two calls after its exit (loop 2 of the next token), so the exits
+        # of two calls fill their slots in one pass: the weights of the recompute are read half as often
+        if unfilled:
+            fill_skipped(model, cache, *(torch.cat(t) for t in zip(*unfilled)), R)
+            unfilled.clear()
 
     def enter(c):
         # the next prompt into free cache row c (its window: the prompt's last block_size tokens)
@@ -225,52 +262,43 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         req.start[c] = max(0, len(req.tokens[req.row[c]]) - cfg.block_size)
         return True
 
-    def go(b, step):
-        # row b after its new token: free ('done'), to pass again ('slide'), or at position `step` with
-        # the token to run from loop 1 (a row just passed waits, ready, for a place in flight)
-        if step in ('done', 'slide') and b in live:
-            live.remove(b)
-        if step == 'slide':
-            waiting.append(b)
-        elif step != 'done':
-            tok[b, 0], pos[b], ks[b] = req.tokens[req.row[b]][-1], step, 0
-            if b not in live:
-                ready.append(b)
-
-    refill()
-    while live:
-        rows = torch.tensor(live, device=device)
-        first = ks[rows] == 0
+    refill(range(B))
+    while at:
+        first = ks == 0
         if bool(first.any()):  # tokens that start: embed and prelude, each at its own position
-            new = rows[first]
-            e[new] = model.prelude(model.embed(tok[new], pos[new]), RowView(cache, new), pos[new]).to(e.dtype)
-        x = e[rows]
-        if not bool(first.all()):  # what loop k+1 reads of h_k: the inter-loop norm, then the injection
-            later = (~first).nonzero().squeeze(1)
-            x[later] = model.carry(h[rows[later]], e[rows[later]]).to(x.dtype)
-        ks[rows] += 1
-        k, p = ks[rows], pos[rows]  # each row's loop now and its position
-        view = RowView(cache, rows, k)
-        # one block call per layer for every row, each at its own loop (its slots) and position
-        h_k = model.loops(x, e[rows], [1], view, p).states[0].to(h.dtype)
-        h[rows] = h_k
+            new = first.nonzero().squeeze(1)
+            x = model.embed(tok[new], pos[new])
+            e[new] = model.prelude(x, RowView(cache, rows[new]), pos[new]).to(e.dtype)
+        # what loop k+1 reads of h_k: the inter-loop norm, then the injection (a new token reads e)
+        x = torch.where(first[:, None, None], e, model.carry(h, e).to(e.dtype))
+        ks += 1
+        view = RowView(cache, rows, ks)
+        # one block call per layer for every place, each at its own loop (its slots) and position
+        h = model.loops(x, e, [1], view, pos).states[0].to(e.dtype)
         calls += 1
-        z, logits = readout(model, h_k, k, view, p)
-        done = k == R
+        z, logits = readout(model, h, ks, view, pos)
+        done = ks == R
         if threshold is not None:
-            s, nxt = score(model, exit_policy, z, logits, None if prev is None else prev[rows], first)
-            if nxt is not None:
-                prev = nxt.new_zeros(N, *nxt.shape[1:]) if prev is None else prev
-                prev[rows] = nxt
+            s, prev = score(model, exit_policy, z, logits, prev, first)
             done |= s >= threshold
-        out = done.nonzero().squeeze(1)
+        out, stale = done.nonzero().squeeze(1), bool(unfilled)  # stale: the last call's exits wait
+        early = out[ks[out] < R]
+        if early.numel():
+            unfilled.append((rows[early], h[early], e[early], ks[early], pos[early]))
+        if stale:
+            fill()
         if out.numel() == 0:
             continue
-        early = out[k[out] < R]
-        if early.numel():
-            fill_skipped(model, cache, rows[early], h_k[early], e[rows[early]], k[early], R, p[early])
-        picked = pick(logits[out], temperature, top_k)[:, 0].tolist()
-        for b, t, used in zip(rows[out].tolist(), picked, k[out].tolist()):
-            go(b, req.add(b, t, used))
-        refill()
+        free = []
+        for p, t, used in zip(out.tolist(), pick(logits[out], temperature, top_k)[:, 0].tolist(),
+                              ks[out].tolist()):
+            step = req.add(at[p], t, used)
+            if step == 'slide':
+                waiting.append(at[p])
+            if step in ('done', 'slide'):
+                free.append(p)
+            else:
+                put(p, at[p], t, step)
+        if free:
+            refill(free)
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes)

@@ -116,7 +116,7 @@ SIZES = {
         speculative=dict(widths=(512,), head_size=64, n_layer=2, n_loop=4, gamma=4, prompt=16, new_tokens=16,
                          vocab_size=65),
         # row 18: batch B -> (new tokens per prompt, timed repeats), 4B prompts each. ~50 s in all: at batch
-        # 32, serve's 128 prompt passes (~9 ms each at d 512) take a large part of a call
+        # 32, the 128 prompts' passes (~4 ms a prompt at d 512) take a large part of a call
         depth=dict(widths=(128, 512), head_size=64, n_layer=2, n_loop=4,
                    batches={1: (12, 2), 8: (12, 3), 32: (8, 1)}, prompt=4, vocab_size=65)),
     'gpu': dict(
@@ -1128,7 +1128,7 @@ def group_decoder(model, groups, n_new, last=None, name=None, **kw):
 
 def depth_decoder(model, rows, n_new, B, last, name, **kw):
     """A call that serves the prompts `rows` (lists of ids), B rows in flight (batching.serve). Its prompt
-    passes (batching.decode_step: each prompt through every loop, its row alone, between the calls that
+    passes (batching.decode_step: up to B prompts at a time through every loop, between the calls that
     advance the others) are timed inside the call: batching.py has no switch for it, so its decode_step is
     swapped for a timed one and put back. Into last: name (the loops per token), name + '_calls' (block
     calls), name + '_prompt_s' (each call's seconds in prompt passes)."""

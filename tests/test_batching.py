@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import batching
+import exits
 import kernels
 from batching import serve
 from engine import generate
@@ -59,6 +60,31 @@ def test_with_a_real_threshold_each_row_exits_and_decodes_as_at_batch_1(kv_polic
     assert 1 < sum(loops) / len(loops) < 4 and len(set(loops)) > 1  # the rows really exit at other loops
     for p, out, u in zip(ps, outs, used):
         assert (out, u) == alone(m, p, 20, **kw)
+
+
+@pytest.mark.parametrize('kv_policy', ['recompute', 'copy'])
+@pytest.mark.parametrize('lengths,n', [((3, 5, 2, 7, 4), 20), ((2, 2, 12, 12, 2, 2, 12, 12), 3)])
+def test_a_skipped_slot_is_filled_before_the_rows_next_token_reads_it(kv_policy, lengths, n, monkeypatch):
+    # the exits of two calls fill their skipped slots together, and no later: a token that exits at loop
+    # 1 has its loop-2 slot read by the next token two calls on. Values no token wrote hold 1e4 here (their
+    # keys 0), so a read before the fill would change the texts and exits; nor may a finished row's fill
+    # land on the next prompt's slots (short requests, then long prompts). The score is a hash of z_k, so
+    # that tokens exit at every loop (the random model's maxprob exits at loop 1 or not at all)
+    class Poisoned(batching.KVCache):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.loop_v.fill_(1e4)
+    def hashed(model, policy, z, logits, prev=None):
+        return (z.sum(-1) * 3).frac().abs(), None
+    monkeypatch.setattr(batching, 'KVCache', Poisoned)
+    monkeypatch.setattr(exits, 'score_at_exit', hashed)
+    m, ps = tiny(pos='rope', n_coda=1, injection='add'), prompts(lengths)
+    kw = dict(exit_threshold=0.7, exit_policy='maxprob', kv_policy=kv_policy)
+    outs, used, _ = serve(m, ps, n, batch_size=2, temperature=0, **kw)
+    loops = [k for u in used for k in u[1:]]
+    assert set(loops) == {1, 2, 3, 4}  # tokens exit at every loop
+    for p, out, u in zip(ps, outs, used):
+        assert (out, u) == alone(m, p, n, **kw)
 
 
 def test_the_learned_gate_exits_as_at_batch_1():
