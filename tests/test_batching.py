@@ -62,9 +62,10 @@ def test_with_a_real_threshold_each_row_exits_and_decodes_as_at_batch_1(kv_polic
         assert (out, u) == alone(m, p, 20, **kw)
 
 
-@pytest.mark.parametrize('kv_policy', ['recompute', 'copy'])
+@pytest.mark.parametrize('kv_policy,kv_slots', [('recompute', None), ('copy', None), ('shared', 3)])
 @pytest.mark.parametrize('lengths,n', [((3, 5, 2, 7, 4), 20), ((2, 2, 12, 12, 2, 2, 12, 12), 3)])
-def test_a_skipped_slot_is_filled_before_the_rows_next_token_reads_it(kv_policy, lengths, n, monkeypatch):
+def test_a_skipped_slot_is_filled_before_the_rows_next_token_reads_it(kv_policy, kv_slots, lengths, n,
+                                                                      monkeypatch):
     # the exits of two calls fill their skipped slots together, and no later: a token that exits at loop
     # 1 has its loop-2 slot read by the next token two calls on. Values no token wrote hold 1e4 here (their
     # keys 0), so a read before the fill would change the texts and exits; nor may a finished row's fill
@@ -79,7 +80,7 @@ def test_a_skipped_slot_is_filled_before_the_rows_next_token_reads_it(kv_policy,
     monkeypatch.setattr(batching, 'KVCache', Poisoned)
     monkeypatch.setattr(exits, 'score_at_exit', hashed)
     m, ps = tiny(pos='rope', n_coda=1, injection='add'), prompts(lengths)
-    kw = dict(exit_threshold=0.7, exit_policy='maxprob', kv_policy=kv_policy)
+    kw = dict(exit_threshold=0.7, exit_policy='maxprob', kv_policy=kv_policy, kv_slots=kv_slots)
     outs, used, _ = serve(m, ps, n, batch_size=2, temperature=0, **kw)
     loops = [k for u in used for k in u[1:]]
     assert set(loops) == {1, 2, 3, 4}  # tokens exit at every loop
@@ -185,3 +186,50 @@ def test_rows_in_flight_decode_under_bf16_autocast_and_in_bf16_weights(autocast)
         outs, used, _ = serve(m, ps, 8, batch_size=3, temperature=0, exit_threshold=0.06)
         generate(m, torch.tensor([p[:2] for p in ps]), 4, temperature=0, exit_threshold=0.06)
     assert all(len(u) == 8 for u in used) and all(len(o) == len(p) + 8 for o, p in zip(outs, ps))
+
+
+def test_serve_bench_times_every_path_against_fixed_r_generate_in_one_table(tiny_data, tiny_ckpt,
+                                                                             tmp_path, monkeypatch, capsys):
+    import serve_bench
+    monkeypatch.chdir(tiny_data.parent.parent)
+    (tmp_path / 'p.txt').write_text('ROMEO: hi\nJULIET: yes\n\nthe king\nKING: no\n', encoding='utf-8')
+    serve_bench.main([str(tiny_ckpt), f"--prompts={tmp_path / 'p.txt'}", '--prompt_chars=4', '--batch_size=2',
+                      '--max_new_tokens=5', '--repeats=2', '--thresholds=0.05,0.999', '--kv_policy=copy'])
+    out = capsys.readouterr().out
+    assert '4 prompts, 5 new tokens each, batch 2' in out and 'medians of 2' in out
+    rows = [[c.strip() for c in line.split('|')[1:-1]] for line in out.splitlines()[3:]]
+    assert [r[0] for r in rows] == [serve_bench.FIXED, 'fixed-R through serve',
+                                    'serve, copy, maxprob >= 0.05', 'serve, copy, maxprob >= 0.999']
+    R = int(out.split(' R ')[1].split(',')[0])
+    for name, loops, seconds, speedup, of_ideal in rows:
+        median, spread = seconds.split(' ')
+        low, high = map(float, spread.strip('()').split('-'))
+        assert low <= float(median) <= high
+        # the fraction of the ideal is the speed-up over fixed-R generate divided by R / mean loops
+        assert float(of_ideal) == pytest.approx(float(speedup[:-1]) * float(loops) / R, abs=0.011)
+    assert rows[0][3] == '1.00x' and float(rows[0][1]) == float(rows[1][1]) == R
+    assert float(rows[2][1]) < float(rows[3][1])  # a lower threshold exits earlier
+
+
+@pytest.mark.parametrize('args,says', [(['--thresholds=2'], 'outside [0, 1]'),
+                                       (['--repeats=0'], 'must be >= 1'),
+                                       (['--kv_policy=active'], 'kv_policy=active'),
+                                       (['--prompts=nope.txt'], 'No such file')])
+def test_serve_bench_refuses_bad_input_in_one_line(tiny_data, tiny_ckpt, tmp_path, monkeypatch, capsys, args,
+                                                   says):
+    import serve_bench
+    monkeypatch.chdir(tiny_data.parent.parent)
+    (tmp_path / 'p.txt').write_text('ROMEO:\n', encoding='utf-8')
+    with pytest.raises(SystemExit) as e:
+        serve_bench.main([str(tiny_ckpt), f"--prompts={tmp_path / 'p.txt'}", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_bench_answers_help_with_its_flags(capsys):
+    import serve_bench
+    with pytest.raises(SystemExit) as e:
+        serve_bench.main(['--help'])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert all(f in out for f in ('--prompts', '--thresholds', '--kv_policy', '--repeats'))
