@@ -194,34 +194,35 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
     req, calls, passes = Requests(prompts, N, max_new_tokens, cfg.block_size), 0, 0
     # the B places in flight, each a cache row with its token in flight: the state is indexed by place,
     # so that a full batch runs a call without gathering it
-    at = [None] * B                                           # each place's cache row
-    rows = torch.zeros(B, dtype=torch.long, device=device)    # the same, as a tensor
-    ks = torch.zeros(B, dtype=torch.long, device=device)      # the last loop run (0: a new token)
-    pos = torch.zeros(B, dtype=torch.long, device=device)     # the token's position in its window
-    tok = torch.zeros(B, 1, dtype=torch.long, device=device)  # the token in flight
+    at = [None] * B                                          # each place's cache row
+    rows = torch.zeros(B, dtype=torch.long, device=device)   # the same, as a tensor
+    ks = torch.zeros(B, dtype=torch.long, device=device)     # the last loop run (0: a new token)
+    pos = torch.zeros(B, dtype=torch.long, device=device)    # the token's position in its window
     h, e = (torch.zeros(B, 1, cfg.n_embd, device=device, dtype=model.lm_head.weight.dtype) for _ in range(2))
     ready, waiting, prev = [], [], None  # (row, token, position) passed; rows to pass again; score state
+    starts = []    # (place, row, token, position): the tokens that start at loop 1 in the next call
     unfilled = []  # the last call's early exits: (rows, h_k, e, loops, positions), for fill_skipped
 
-    def put(p, c, t, q):
-        # cache row c's token t at position q into place p, to run from loop 1
-        at[p], rows[p], tok[p, 0], pos[p], ks[p] = c, c, t, q, 0
-
     def refill(free):
-        # free places take the rows that are ready; when none is, one prompt pass makes more. A place that
-        # none takes leaves the batch: then nothing is left to pass, so this happens only at the end
-        nonlocal at, rows, ks, pos, tok, h, e, prev
+        # free places take the rows that are ready (when none is, one prompt pass makes more); then the
+        # tokens that start are placed and embedded, all at once. A place that none takes leaves the
+        # batch: then nothing is left to pass, so this happens only at the end
+        nonlocal at, rows, ks, pos, h, e, prev
         for p in free:
             while not ready and (waiting or req.queue):
                 prompt_pass()
+            at[p] = ready[0][0] if ready else None
             if ready:
-                put(p, *ready.pop(0))
-            else:
-                at[p] = None
+                starts.append((p, *ready.pop(0)))
+        if starts:  # embed and prelude, each token at its own position
+            p, c, t, q = (torch.tensor(v, device=device) for v in zip(*starts))
+            rows[p], pos[p], ks[p] = c, q, 0
+            e[p] = model.prelude(model.embed(t[:, None], q), RowView(cache, c), q).to(e.dtype)
+            starts.clear()
         if None in at:
             keep = [p for p, c in enumerate(at) if c is not None]
             keep = torch.tensor(keep, dtype=torch.long, device=device)
-            rows, ks, pos, tok, h, e = (t[keep] for t in (rows, ks, pos, tok, h, e))
+            rows, ks, pos, h, e = (t[keep] for t in (rows, ks, pos, h, e))
             prev = None if prev is None else prev[keep]
             at = [c for c in at if c is not None]
 
@@ -264,11 +265,7 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
 
     refill(range(B))
     while at:
-        first = ks == 0
-        if bool(first.any()):  # tokens that start: embed and prelude, each at its own position
-            new = first.nonzero().squeeze(1)
-            x = model.embed(tok[new], pos[new])
-            e[new] = model.prelude(x, RowView(cache, rows[new]), pos[new]).to(e.dtype)
+        first = ks == 0  # the tokens that start (refill embedded them)
         # what loop k+1 reads of h_k: the inter-loop norm, then the injection (a new token reads e)
         x = torch.where(first[:, None, None], e, model.carry(h, e).to(e.dtype))
         ks += 1
@@ -289,7 +286,7 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
             fill()
         if out.numel() == 0:
             continue
-        free = []
+        free = []  # the places whose request is done or must pass again
         for p, t, used in zip(out.tolist(), pick(logits[out], temperature, top_k)[:, 0].tolist(),
                               ks[out].tolist()):
             step = req.add(at[p], t, used)
@@ -298,7 +295,6 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
             if step in ('done', 'slide'):
                 free.append(p)
             else:
-                put(p, at[p], t, step)
-        if free:
-            refill(free)
+                starts.append((p, at[p], t, step))
+        refill(free)
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes)
