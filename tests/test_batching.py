@@ -47,17 +47,19 @@ def test_with_an_unreachable_threshold_every_row_decodes_its_prompt_as_alone(kw)
 
 
 @pytest.mark.parametrize('kv_policy,kv_slots', [('recompute', None), ('copy', None), ('shared', 2)])
-@pytest.mark.parametrize('policy,threshold', [('maxprob', 0.06), ('margin', 0.3), ('entropy', 0.02),
-                                              ('kl', 1e-3)])
+@pytest.mark.parametrize('policy,threshold', [('maxprob', 0.05), ('margin', 0.2), ('entropy', 0.02),
+                                              ('kl', 1e-2)])
 def test_with_a_real_threshold_each_row_exits_and_decodes_as_at_batch_1(kv_policy, kv_slots, policy,
                                                                        threshold):
     # rows exit at other loops in the same call; each leaves in its skipped slots what its policy says, so
     # its later tokens see what they would see alone (copy and shared mean what they mean at batch 1)
     m, ps = tiny(pos='rope', n_coda=1, injection='add'), prompts()
+    with torch.no_grad():  # a readout a tenth as sure: its scores reach the thresholds at other loops
+        m.lm_head.weight.mul_(0.1)
     kw = dict(exit_threshold=threshold, exit_policy=policy, kv_policy=kv_policy, kv_slots=kv_slots)
     outs, used, _ = serve(m, ps, 20, batch_size=4, temperature=0, **kw)
     loops = [k for u in used for k in u[1:]]  # (the first token of each prompt runs every loop)
-    assert 1 < sum(loops) / len(loops) < 4 and len(set(loops)) > 1  # the rows really exit at other loops
+    assert len(set(loops) - {4}) >= 2  # the rows really exit early, at other loops
     for p, out, u in zip(ps, outs, used):
         assert (out, u) == alone(m, p, 20, **kw)
 
