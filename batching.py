@@ -62,11 +62,6 @@ class RowSlot:
         mask = torch.arange(n, device=pos.device) <= pos[:, None]                     # (B', n)
         return keys, values, mask[:, None, None, :]
 
-    def copy_from(self, other, pos):
-        # another visit's keys and values at each row's position (a skipped visit, exits.fill_skipped)
-        self.k[self.idx, :, pos] = other.k[other.idx, :, pos]
-        self.v[self.idx, :, pos] = other.v[other.idx, :, pos]
-
 
 class RowView:
     """The cache seen by cache rows `rows` (B',): what GPT.loops and GPT.untied ask for. With loops
@@ -75,7 +70,7 @@ class RowView:
 
     def __init__(self, cache, rows, loops=None):
         self.cache, self.rows, self.loops, self.K, self.n = cache, rows, loops, cache.K, cache.n
-        self.policy, self.B = cache.policy, cache.loop_k.size(2)
+        self.B = cache.loop_k.size(2)
         self.entry = None if loops is None else self.layer_0(loops)  # once a view, not once a layer
 
     def layer_0(self, k):
@@ -243,10 +238,15 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         passes += 1
         for c, t in zip(passing, pick(logits, temperature, top_k)[:, 0].tolist()):
             step = req.add(c, t, R)
-            if step == 'slide':
-                waiting.append(c)
-            elif step != 'done':
+            if goes_on(c, step):
                 ready.append((c, t, step))
+
+    def goes_on(c, step):
+        # whether cache row c runs its new token next (step: its position), or frees its place: its request
+        # is done, or its window slid and it waits to pass again
+        if step == 'slide':
+            waiting.append(c)
+        return step not in ('done', 'slide')
 
     def fill():
         # a skipped slot is first read two calls after its exit (loop 2 of the next token), so the exits
@@ -290,11 +290,9 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         for p, t, used in zip(out.tolist(), pick(logits[out], temperature, top_k)[:, 0].tolist(),
                               ks[out].tolist()):
             step = req.add(at[p], t, used)
-            if step == 'slide':
-                waiting.append(at[p])
-            if step in ('done', 'slide'):
-                free.append(p)
-            else:
+            if goes_on(at[p], step):
                 starts.append((p, at[p], t, step))
+            else:
+                free.append(p)
         refill(free)
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes)
