@@ -3,7 +3,9 @@ Depth batching end to end on a trained checkpoint (docs/decoding.md, "On a train
 prompts decoded at batch B by fixed-R engine.generate (the prompts in groups of B) and by batching.serve
 at each kv policy and exit threshold, and with no threshold, taking turns in one process. Prompt passes
 are included, as sample.py runs them. Prints, per path, the loops per token, the median seconds over the
-repeats (and their range), the speed-up over fixed-R generate and its fraction of the ideal R / mean loops.
+repeats (and their range), the speed-up over fixed-R generate and its fraction of the ideal R / mean loops,
+that fraction against serve with no threshold (sample.py's own fixed-depth path at --batch_size=B), and
+how full serve's block calls ran (below 1 in the tail, when the last requests finish one by one).
 generate's rows share a length, so prompts of other lengths go through it in groups of one length:
 --prompt_chars cuts every line to one length.
 
@@ -31,11 +33,12 @@ from prepare import checkpoint_meta, get_tokenizer
 
 
 FIXED = 'fixed-R, engine.generate in groups of B'  # the baseline
+SERVED = 'fixed-R through serve'  # sample.py's fixed depth at --batch_size=B
 
 
 def paths(model, prompts, n, B, policies, thresholds, exit_policy):
-    """name -> a call that decodes every prompt greedily and returns the loops each new token used (None:
-    all R)."""
+    """name -> a call that decodes every prompt greedily and returns the loops each new token used and
+    how full its block calls ran (None: generate, every token all R loops, no calls of its own)."""
     def fixed():
         for i in range(0, len(prompts), B):  # a batch's rows share a length: one group per length
             group = prompts[i:i + B]
@@ -43,10 +46,15 @@ def paths(model, prompts, n, B, policies, thresholds, exit_policy):
                 generate(model, torch.tensor([p for p in group if len(p) == length]), n, temperature=0)
 
     def served(policy, threshold):
-        return lambda: serve(model, prompts, n, batch_size=B, temperature=0, exit_threshold=threshold,
-                             exit_policy=exit_policy, kv_policy=policy)[1]
+        def run():
+            _, used, stats = serve(model, prompts, n, batch_size=B, temperature=0, exit_threshold=threshold,
+                                   exit_policy=exit_policy, kv_policy=policy)
+            # the loops the calls ran (each request's first token, and a slid window's, come off a pass)
+            ran = sum(sum(u[1:]) for u in used) - model.config.n_loop * stats['refills']
+            return used, ran / (stats['calls'] * min(B, len(prompts)))
+        return run
 
-    calls = {FIXED: fixed, 'fixed-R through serve': served('recompute', None)}
+    calls = {FIXED: fixed, SERVED: served('recompute', None)}
     for policy in policies:
         for t in thresholds:
             calls[f"serve, {policy}, {exit_policy} >= {t:g}"] = served(policy, t)
@@ -54,28 +62,31 @@ def paths(model, prompts, n, B, policies, thresholds, exit_policy):
 
 
 def measure(calls, repeats, clock):
-    """Each call once to warm up, then `repeats` rounds in turn: name -> (seconds each round, mean loops)."""
-    seconds, loops = {name: [] for name in calls}, {}
+    """Each call once to warm up, then `repeats` rounds in turn: name -> (seconds each round, mean loops,
+    calls full)."""
+    seconds, loops, full = {name: [] for name in calls}, {}, {}
     for f in calls.values():
         f()
     for _ in range(repeats):
         for name in calls:
             t0 = clock()
-            used = calls[name]()
+            out = calls[name]()
             seconds[name].append(clock() - t0)
-            if used is not None:
+            if out is not None:
+                used, full[name] = out
                 loops[name] = sum(map(sum, used)) / sum(map(len, used))
-    return {name: (s, loops.get(name)) for name, s in seconds.items()}
+    return {name: (s, loops.get(name), full.get(name)) for name, s in seconds.items()}
 
 
 def table(results, R):
-    base = statistics.median(results[FIXED][0])
-    lines = ["| path | loops / token | seconds: median (min-max) | x fixed-R generate | of the ideal |",
-             "|---|---|---|---|---|"]
-    for name, (s, L) in results.items():
+    base, served = (statistics.median(results[k][0]) for k in (FIXED, SERVED))
+    lines = ["| path | loops / token | seconds: median (min-max) | x fixed-R generate | of the ideal "
+             "| of the ideal, against fixed-R through serve | calls full |", "|---|---|---|---|---|---|---|"]
+    for name, (s, L, full) in results.items():
         m, L = statistics.median(s), L or R
         lines.append(f"| {name} | {L:.2f} | {m:.2f} ({min(s):.2f}-{max(s):.2f}) | {base / m:.2f}x "
-                     f"| {base / m / (R / L):.2f} |")
+                     f"| {base / m / (R / L):.2f} | {served / m / (R / L):.2f} "
+                     f"| {'-' if full is None else f'{full:.2f}'} |")
     return '\n'.join(lines)
 
 

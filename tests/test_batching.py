@@ -203,13 +203,18 @@ def test_serve_bench_times_every_path_against_fixed_r_generate_in_one_table(tiny
     assert [r[0] for r in rows] == [serve_bench.FIXED, 'fixed-R through serve',
                                     'serve, copy, maxprob >= 0.05', 'serve, copy, maxprob >= 0.999']
     R = int(out.split(' R ')[1].split(',')[0])
-    for name, loops, seconds, speedup, of_ideal in rows:
+    served = float(rows[1][3][:-1])  # fixed-R through serve's speed-up over fixed-R generate
+    for name, loops, seconds, speedup, of_ideal, of_served, full in rows:
         median, spread = seconds.split(' ')
         low, high = map(float, spread.strip('()').split('-'))
         assert low <= float(median) <= high
-        # the fraction of the ideal is the speed-up over fixed-R generate divided by R / mean loops
+        # the fraction of the ideal is the speed-up over fixed-R generate divided by R / mean loops; the
+        # next column takes the speed-up over serve with no threshold (sample.py's fixed depth) instead
         assert float(of_ideal) == pytest.approx(float(speedup[:-1]) * float(loops) / R, abs=0.011)
+        assert float(of_served) == pytest.approx(float(of_ideal) / served, rel=0.03, abs=0.011)
+        assert full == '-' if name == serve_bench.FIXED else 0 < float(full) <= 1
     assert rows[0][3] == '1.00x' and float(rows[0][1]) == float(rows[1][1]) == R
+    assert rows[1][6] == '1.00'  # at fixed R the rows of one length move in step: every call runs full
     assert float(rows[2][1]) < float(rows[3][1])  # a lower threshold exits earlier
 
 
