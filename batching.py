@@ -173,20 +173,20 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
     """Decode max_new_tokens after each prompt (lists of token ids), batch_size rows in flight, with
     continuous depth batching. Returns the token lists (prompt and new tokens) in prompt order, the loops
     each new token used, and counts: calls (of the loop's blocks), refills (windows that slid), passes
-    (prompt passes)."""
+    (prompt passes), full (the share of the calls' B places that held a row: below 1 in the tail)."""
     cfg, device = model.config, model.lm_head.weight.device
     R = cfg.n_loop if n_loop is None else n_loop
     why = refusal(cfg, kv_policy)
     assert why is None, why
     if max_new_tokens == 0:
-        return [list(p) for p in prompts], [[] for _ in prompts], dict(calls=0, refills=0, passes=0)
+        return [list(p) for p in prompts], [[] for _ in prompts], dict(calls=0, refills=0, passes=0, full=0.0)
     threshold = None if exit_threshold is None else exits.score_threshold(exit_policy, exit_threshold)
     B = max(1, min(batch_size, len(prompts)))
     # the cache holds up to 2B rows: B in flight and up to B more whose prompt pass is done, so that the
     # prompts go through their pass B at a time (as engine.generate's batches do), not one by one
     N = max(B, min(2 * B, len(prompts)))
     cache = KVCache(model, N, R, device, model.lm_head.weight.dtype, kv_policy, kv_slots)
-    req, calls, passes = Requests(prompts, N, max_new_tokens, cfg.block_size), 0, 0
+    req, calls, passes, ran = Requests(prompts, N, max_new_tokens, cfg.block_size), 0, 0, 0
     # the B places in flight, each a cache row with its token in flight: the state is indexed by place,
     # so that a full batch runs a call without gathering it
     at = [None] * B                                          # each place's cache row
@@ -272,7 +272,7 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
         view = RowView(cache, rows, ks)
         # one block call per layer for every place, each at its own loop (its slots) and position
         h = model.loops(x, e, [1], view, pos).states[0].to(e.dtype)
-        calls += 1
+        calls, ran = calls + 1, ran + len(at)
         z, logits = readout(model, h, ks, view, pos)
         done = ks == R
         if threshold is not None:
@@ -295,4 +295,5 @@ def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=N
             else:
                 free.append(p)
         refill(free)
-    return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes)
+    full = ran / (calls * B) if calls else 0.0
+    return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes, full=full)

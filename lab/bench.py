@@ -1130,8 +1130,8 @@ def depth_decoder(model, rows, n_new, B, last, name, **kw):
     """A call that serves the prompts `rows` (lists of ids), B rows in flight (batching.serve). Its prompt
     passes (batching.decode_step: up to B prompts at a time through every loop, between the calls that
     advance the others) are timed inside the call: batching.py has no switch for it, so its decode_step is
-    swapped for a timed one and put back. Into last: name (the loops per token), name + '_calls' (block
-    calls), name + '_prompt_s' (each call's seconds in prompt passes)."""
+    swapped for a timed one and put back. Into last: name (the loops per token), name + '_full' (how full
+    the block calls ran), name + '_prompt_s' (each call's seconds in prompt passes)."""
     def decode():
         plain, spent = batching.decode_step, []
 
@@ -1148,7 +1148,7 @@ def depth_decoder(model, rows, n_new, B, last, name, **kw):
             _, used, stats = batching.serve(model, rows, n_new, batch_size=B, temperature=1.0, **kw)
         finally:
             batching.decode_step = plain
-        last[name], last[name + '_calls'] = torch.tensor(used, dtype=torch.float), stats['calls']
+        last[name], last[name + '_full'] = torch.tensor(used, dtype=torch.float), stats['full']
         last.setdefault(name + '_prompt_s', []).append(sum(spent))
     return decode
 
@@ -1204,9 +1204,7 @@ def row_depth(run):
                     case.update({f'{how}_loops': loops, f'{how}_ideal': R / loops, f'{how}_ratio': ratio,
                                  f'{how}_of_ideal': ratio * loops / R, f'{how}_ms': s[how] * 1e3,
                                  f'{how}_tok_s': 1 / s[how]})
-                # the loops the calls ran over the rows they could have run: below 1 in the tail
-                ran = last[f'depth_{p}'][:, 1:].sum().item()
-                case['occupancy'] = ran / (last[f'depth_{p}_calls'] * min(B, P)) if ran else 0.0
+                case['occupancy'] = last[f'depth_{p}_full']  # below 1 in the tail
                 need = 0.9 * case['depth_ideal'] if C >= 512 and B >= 8 else None
                 case.update(target=f">= 0.9 x {case['depth_ideal']:.2f} = {need:.2f}" if need else 'report',
                             met=None if need is None else case['depth_ratio'] >= need)

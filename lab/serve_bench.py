@@ -49,9 +49,7 @@ def paths(model, prompts, n, B, policies, thresholds, exit_policy):
         def run():
             _, used, stats = serve(model, prompts, n, batch_size=B, temperature=0, exit_threshold=threshold,
                                    exit_policy=exit_policy, kv_policy=policy)
-            # the loops the calls ran (each request's first token, and a slid window's, come off a pass)
-            ran = sum(sum(u[1:]) for u in used) - model.config.n_loop * stats['refills']
-            return used, ran / (stats['calls'] * min(B, len(prompts)))
+            return used, stats['full']
         return run
 
     calls = {FIXED: fixed, SERVED: served('recompute', None)}

@@ -115,6 +115,9 @@ def test_rows_at_different_loops_share_one_block_call(monkeypatch):
     # every loop a row ran is one row of one call, but the prefills': a prompt's (its first token) and a
     # sliding window's (R loops each)
     assert sum(ks.numel() for ks in seen) == sum(sum(u[1:]) for u in used) - 4 * stats['refills']
+    # full: the share of the calls' places that held a row (below 1 in the tail, as rows run out)
+    assert stats['full'] == pytest.approx(sum(ks.numel() for ks in seen) / (3 * len(seen)))
+    assert stats['full'] < 1
 
 
 def test_a_freed_row_takes_the_next_prompt_and_outputs_keep_the_prompts_order():
