@@ -9,6 +9,7 @@ Checkpoints and random-number state: what a run needs to stop and continue bit f
 
 and what train.py calls to continue a run (or to refuse to start one over it):
     resume(config, explicit) init_from: the checkpoint, and its config under the keys this command set
+    start_from(config, explicit)  init_from=gpt2 or a folder: a trained model's layers, looped (retrofit.py)
     check_tokens(...)        the data's tokens are the ones the checkpoint trained on
     restore(...)             the optimizer, every rank's random streams, the step counters
     refuse_overwrite(...)    a run from scratch never overwrites an earlier run's checkpoint
@@ -19,6 +20,7 @@ import random
 import numpy as np
 import torch
 
+import retrofit
 from configurator import gpt_config, resume_config
 from errors import die, first_line
 from model import GPT
@@ -77,7 +79,7 @@ def load(path, device='cpu'):
 
 
 # keys that earlier versions of model.py had, with the only value this version implements
-RETIRED_KEYS = {'bias': False, 'tie_weights': True, 'exit_weights': (), 'moe_where': 'loop'}
+RETIRED_KEYS = {'tie_weights': True, 'exit_weights': (), 'moe_where': 'loop'}
 
 
 # keys that earlier versions of model.py named otherwise: old name -> new name
@@ -145,6 +147,8 @@ def resume(config, explicit):
     command), else starts from scratch. A resumed run takes the checkpoint's config as the base, and only
     what this command sets explicitly overrides it. Returns (config, the checkpoint or None, the lines
     to print)."""
+    if config['init_from'] not in ('scratch', 'resume', 'auto'):
+        return start_from(config, explicit)
     path = os.path.join(config['out_dir'], 'ckpt.pt')
     if config['init_from'] == 'auto':
         config['init_from'] = 'resume' if os.path.exists(path) else 'scratch'
@@ -161,12 +165,31 @@ def resume(config, explicit):
     return config, ckpt, [f"resume: {change}" for change in changes]
 
 
+def start_from(config, explicit):
+    """init_from=gpt2 (-medium, -large, -xl, or a folder transformers saved) or a folder with a nanoloop
+    ckpt.pt of a non-looped model: its layers placed into this config's prelude, loop and coda, and a new
+    run from there (step 0, a fresh optimizer). Returns what resume() returns."""
+    src, path = config['init_from'], retrofit.source_path(config['init_from'])
+    if path is not None:
+        source = retrofit.nanoloop_source(load(path), path)
+    elif src in retrofit.GPT2_NAMES or os.path.isfile(os.path.join(src, 'config.json')):
+        source = retrofit.gpt2_source(src)
+    else:
+        die(f"init_from={src!r}: choose scratch, resume, auto, one of {', '.join(retrofit.GPT2_NAMES)}, or a "
+            f"folder holding a nanoloop ckpt.pt (or a saved GPT-2)")
+    args, ckpt, notes = retrofit.retrofit(source, config, explicit)
+    config.update(args)
+    explicit.add('vocab_size')  # the source's, not meta.json's
+    return config, ckpt, notes
+
+
 def check_tokens(ckpt, meta_id, path, data_dir):
     """Dies unless data_dir's tokens (meta_id: tokenizer, vocab_size, itos) are the ones ckpt trained on."""
+    path = ckpt.get('source', path)  # a trained model to loop (start_from), or a run's own checkpoint
     differ = [k for k in meta_id if k in (ckpt.get('meta') or {}) and ckpt['meta'][k] != meta_id[k]]
     if differ or ckpt['model_args']['vocab_size'] < meta_id['vocab_size']:
         die(f"{data_dir}/meta.json disagrees with {path} ({', '.join(differ) or 'vocab_size'}: the "
-            f"checkpoint was trained on other tokens); resume with its dataset {ckpt.get('dataset')!r}")
+            f"checkpoint was trained on other tokens); use its dataset {ckpt.get('dataset')!r}")
 
 
 def load_optimizer(optimizer, scaler, ckpt, path):
@@ -216,9 +239,9 @@ def restore(ckpt, path, optimizer, scaler, rank, world_size, train_gen, depth_ge
 
 
 def refuse_overwrite(path, init_from, eval_only):
-    """A run from scratch would overwrite an earlier run's checkpoint at its first eval: a forgotten
-    --init_from=resume. Refuse instead, with what to do."""
-    if init_from == 'scratch' and os.path.exists(path) and not eval_only:
+    """A new run (from scratch or a trained model) would overwrite an earlier run's checkpoint at its
+    first eval: a forgotten --init_from=resume. Refuse instead, with what to do."""
+    if init_from != 'resume' and os.path.exists(path) and not eval_only:
         out_dir = os.path.dirname(path) or '.'
         die(f"{path} already exists: continue it with --init_from=resume, or start over with another "
             f"--out_dir (or delete {out_dir})")

@@ -32,7 +32,7 @@ from model import DEPTH_EXPONENTS, GPTConfig
 # the named choices of every model key
 MODEL_CHOICES = dict(
     pos=('learned', 'rope'),
-    mlp=('swiglu', 'gelu'),
+    mlp=('swiglu', 'gelu', 'gelu_tanh'),
     norm=('rmsnorm', 'layernorm'),
     init=('reference', 'gpt2'),
     readout=('rmsnorm', 'layernorm', 'raw', 'final_only'),
@@ -324,7 +324,7 @@ def help_text(defaults, script):
 # -----------------------------------------------------------------------------
 # ranges of train.py's own keys (check_model checks the model keys)
 
-TRAIN_CHOICES = dict(init_from=('scratch', 'resume', 'auto'), lr_schedule=('constant', 'cosine'),
+TRAIN_CHOICES = dict(lr_schedule=('constant', 'cosine'),
                      dtype=('auto', 'float32', 'bfloat16', 'float16'))
 AT_LEAST_ONE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_iters', 'log_interval',
                 'max_bad_steps', 'lr_decay_iters', 'max_failed_saves', 'collective_timeout')
@@ -359,6 +359,10 @@ def check(config):
     for key in NON_NEGATIVE:
         if not 0 <= c[key] < math.inf:
             die(f"{key}={c[key]}: must be a finite number >= 0")
+    if not 0 <= c['loop_schedule'] <= 1:
+        die(f"loop_schedule={c['loop_schedule']}: a share of max_iters, in [0, 1]")
+    if not c['init_from'].strip():
+        die("init_from='': choose scratch, resume, auto, gpt2 (-medium, -large, -xl) or a folder to loop")
     if not 0 <= c['seed'] < 2**62:
         die(f"seed={c['seed']}: must be in [0, 2**62)")
     for key in ('beta1', 'beta2'):

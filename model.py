@@ -44,7 +44,8 @@ class GPTConfig:
     n_embd: int = 128              # C
     dropout: float = 0.0
     pos: str = 'learned'           # learned (absolute position embedding) | rope
-    mlp: str = 'swiglu'            # swiglu (width 4C, three matrices) | gelu (nanoGPT's)
+    mlp: str = 'swiglu'            # swiglu (4C wide, 3 matrices) | gelu (nanoGPT's) | gelu_tanh (GPT-2's)
+    bias: bool = False             # biases in the blocks' Linears and LayerNorms (GPT-2's weights have them)
     norm: str = 'rmsnorm'          # the norm inside blocks: rmsnorm | layernorm
     init: str = 'reference'        # reference (PyTorch defaults, wte ~ N(0,1)) | gpt2 (N(0, 0.02))
     embd_std: float = 0.0          # std of wte (and a learned wpe) at init; 0 = the init's own (1 | 0.02)
@@ -84,13 +85,13 @@ class GPTConfig:
     def loop_cap(self):
         return self.max_loop or 4 * self.n_loop  # the most loops a training step may draw
 
-    def draw_n_loop(self, generator):
-        # the loop count of one training step. poisson_lognormal (Huginn, docs/papers.md §4):
-        # tau ~ Normal(log n_loop - sigma^2/2, sigma), R = Poisson(e^tau) + 1, capped. The draws
-        # come from `generator` alone: seeded alike on every rank, every rank draws the same R.
+    def draw_n_loop(self, generator, mean=None):
+        # the loop count of one training step (mean: a curriculum's now, docs/papers.md §6; else n_loop).
+        # poisson_lognormal (Huginn, §4): tau ~ Normal(log mean - sigma^2/2, sigma), R = Poisson(e^tau)
+        # + 1, capped. From `generator` alone: seeded alike on every rank, every rank draws the same R.
         if self.loop_sampling == 'fixed':
-            return self.n_loop
-        mu = math.log(self.n_loop) - LOOP_SIGMA ** 2 / 2
+            return self.n_loop if mean is None else max(1, round(mean))
+        mu = math.log(mean or self.n_loop) - LOOP_SIGMA ** 2 / 2
         tau = torch.normal(mu, LOOP_SIGMA, (1,), generator=generator)
         return min(int(torch.poisson(tau.exp(), generator=generator).item()) + 1, self.loop_cap)
 
@@ -120,9 +121,9 @@ class GPTConfig:
         return self.loop_lambda / (self.n_loop * math.sqrt(self.n_layer)) if self.loop_lambda else 1.0
 
 
-def make_norm(kind, n_embd):
-    # RMSNorm with eps 1e-6 as in paper 1's code; LayerNorm without a bias, as in both papers
-    return nn.RMSNorm(n_embd, eps=1e-6) if kind == 'rmsnorm' else nn.LayerNorm(n_embd, bias=False)
+def make_norm(kind, n_embd, bias=False):
+    # RMSNorm with eps 1e-6 as in paper 1's code; LayerNorm without a bias as in both papers (GPT-2: with)
+    return nn.RMSNorm(n_embd, eps=1e-6) if kind == 'rmsnorm' else nn.LayerNorm(n_embd, bias=bias)
 
 
 def apply_rope(x, cos, sin):
@@ -135,8 +136,8 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # q, k, v in one matrix
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matrix
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout  # on the attention weights; none after c_proj, as paper 1's code
         self.attn_impl, self.n_head = config.attn_impl, config.n_head
 
@@ -162,25 +163,25 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
 
-def activation(x, swiglu):
-    # swiglu: x holds the gate and the up projection side by side; else nanoGPT's GELU
-    if swiglu:
+def activation(x, mlp):
+    # swiglu: x holds the gate and the up projection side by side; else GELU, GPT-2's in its tanh form
+    if mlp == 'swiglu':
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return F.gelu(x)
+    return F.gelu(x, approximate='tanh' if mlp == 'gelu_tanh' else 'none')
 
 
 class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.swiglu, hidden = config.mlp == 'swiglu', 4 * config.n_embd
-        self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+        self.kind, hidden = config.mlp, 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, (2 if self.kind == 'swiglu' else 1) * hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(activation(self.c_fc(x), self.swiglu)))
+        return self.dropout(self.c_proj(activation(self.c_fc(x), self.kind)))
 
 
 Route = namedtuple('Route', 'logits idx')  # one visit's routing: logits (BT, E) in fp32, experts (BT, k)
@@ -195,7 +196,7 @@ class MoE(nn.Module):
         super().__init__()
         E, C, k = config.n_expert, config.n_embd, config.top_k
         H = config.expert_hidden or 4 * C // k  # k experts of 4C/k: the dense MLP's active parameters
-        self.swiglu, self.top_k = config.mlp == 'swiglu', k
+        self.kind, self.swiglu, self.top_k = config.mlp, config.mlp == 'swiglu', k
         self.groups = config.n_loop if config.disjoint_routing else 0  # disjoint: E/R experts a loop
         self.router = nn.Linear(C, E, bias=False)
         # the experts' matrices stacked (E, in, out), each with nn.Linear's default init
@@ -217,7 +218,7 @@ class MoE(nn.Module):
         w = probs.gather(-1, idx)
         w = w / w.sum(dim=-1, keepdim=True)                # the k weights renormalised
         # y_t = sum_j w_tj expert_{idx_tj}(x_t), tokens grouped by expert (kernels.py)
-        y = kernels.moe(x, idx, w, self.c_fc, self.c_proj, lambda h: activation(h, self.swiglu))
+        y = kernels.moe(x, idx, w, self.c_fc, self.c_proj, lambda h: activation(h, self.kind))
         return self.dropout(y.view(B, T, C)), Route(logits, idx)
 
 
@@ -245,7 +246,7 @@ class Block(nn.Module):
     def __init__(self, config, moe=False):
         super().__init__()
         pre, post = config.block in ('preln', 'sandwich'), config.block in ('postln', 'sandwich')
-        norm = lambda on: make_norm(config.norm, config.n_embd) if on else nn.Identity()
+        norm = lambda on: make_norm(config.norm, config.n_embd, config.bias) if on else nn.Identity()
         self.ln_1, self.ln_2 = norm(pre), norm(pre)     # pre-norms (GPT-2's names)
         self.pn_1, self.pn_2 = norm(post), norm(post)   # post-norms
         self.attn = CausalSelfAttention(config)
@@ -315,7 +316,7 @@ class GPT(nn.Module):
         # the readout norm (none for a raw readout) and the inter-loop norm (identity unless set,
         # docs/papers.md §1); inter_loop_norm='readout' feeds the readout norm back (Ouro, §4)
         ln_out = nn.Identity() if config.readout == 'raw' else make_norm(
-            'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C)
+            'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C, config.bias)
         ln_loop = dict(none=nn.Identity(), readout=ln_out).get(config.inter_loop_norm) \
             or make_norm(config.inter_loop_norm, C)
         blocks = lambda n, moe=False: nn.ModuleList([Block(config, moe) for _ in range(n)])
@@ -328,8 +329,7 @@ class GPT(nn.Module):
             prelude=blocks(config.n_prelude),             # untied, run once (§4)
             h=blocks(config.n_layer, config.n_expert > 0),  # the K shared layers, experts in them (§5)
             coda=blocks(config.n_coda),                   # untied, at every exit (§4)
-            ln_loop=ln_loop,
-            ln_out=ln_out,
+            ln_loop=ln_loop, ln_out=ln_out,  # between loops (§1), before the LM head
         ))
         if config.injection in ('concat', 'iso'):
             self.transformer.adapter = nn.Linear(2 * C, C, bias=False)  # W [x; e] (Huginn), W [e; s] (§3)

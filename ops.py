@@ -6,6 +6,7 @@ a line or two.
     init_processes DDP from torchrun's environment, this rank's device and CPU threads
     resolve_dtype  what dtype='auto' trains in here (hardware.py), and why
     StopSignals    Ctrl-C, SIGTERM or SIGUSR1: stop after the current step, save, exit 0
+    loop_count     this step's loop count, under loop_schedule's curriculum (docs/papers.md §6)
     agree          the step's one all-reduce: the loss, a bad gradient, a stop signal, the loop count
     Saver          the checkpoint write, and what happens when it fails (a full disk)
     BadSteps       a non-finite loss or gradient: skip the update and say where it came from
@@ -101,6 +102,16 @@ class StopSignals:
         self.name = self.name or signal.Signals(signum).name
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def loop_count(cfg, generator, it, ramp_iters):
+    """This step's loop count. A loop-count curriculum (retrofitted recurrence, docs/papers.md §6): over the
+    first ramp_iters steps the mean loop count ramps linearly from 1 to n_loop (fixed depth: rounded; a
+    sampled depth: the draw's mean ramps with it), then stays there. ramp_iters = 0: no curriculum. A
+    function of the step alone (and of the depth stream), so a resumed run draws what it would have."""
+    if it >= ramp_iters:
+        return cfg.draw_n_loop(generator)
+    return cfg.draw_n_loop(generator, 1 + (cfg.n_loop - 1) * it / ramp_iters)
 
 
 Agreed = namedtuple('Agreed', 'loss grad_bad stop')

@@ -51,7 +51,7 @@ eval_iters = 10                  # batches per split per eval (the same batches 
 eval_only = False                # evaluate once and exit
 log_kappa = False                # also log kappa_R (docs/papers.md §2), one more backward pass
 always_save_checkpoint = True    # save at every eval, not only when the val loss improves
-init_from = 'scratch'            # scratch | resume (out_dir/ckpt.pt) | auto: resume if it exists
+init_from = 'scratch'            # scratch | resume | auto (resume if out_dir has one) | gpt2* | a folder
 print_config = False             # print the resolved config as JSON and exit (lab/ablate.py reads it)
 # wandb logging
 wandb_log = False                # wandb is imported only when this is on
@@ -83,6 +83,7 @@ dtype = 'auto'                   # float32 | bfloat16 | float16 | auto: bf16 whe
                                  # else fp16 on CUDA and fp32 elsewhere (hardware.auto_dtype)
 compile = False                  # torch.compile the model (PyTorch 2.0+; worth it on GPUs)
 seed = 1337                      # weights, dropout, data order and sampled depths follow from it
+loop_schedule = 0.0              # the mean loop count ramps 1 -> n_loop over this share of max_iters
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, str))]
 defaults = {**{k: globals()[k] for k in config_keys}, **asdict(GPTConfig())}  # + the model's keys
@@ -169,8 +170,8 @@ checkpoint.refuse_overwrite(ckpt_path, init_from, eval_only)  # a forgotten --in
 # -----------------------------------------------------------------------------
 # model, optimizer, and the state a resumed run continues from
 model = GPT(GPTConfig(**model_args))
-if ckpt is not None:
-    checkpoint.load_weights(model, ckpt['model'], ckpt_path)
+if ckpt is not None:  # this run's own, or a trained model's layers to loop (init_from, retrofit.py)
+    checkpoint.load_weights(model, ckpt.pop('model'), ckpt_path)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if master_process:  # once, not once per rank
@@ -180,7 +181,7 @@ iter_num, best_val_loss, bad_total = 0, float('inf'), 0
 evaluated_at = None  # the iteration a resumed checkpoint was evaluated and logged at: not again
 train_gen = torch.Generator().manual_seed(data_seed)  # this rank's training batches
 depth_gen = torch.Generator().manual_seed(seed)  # loop counts: the same stream on every rank
-if ckpt is not None:
+if init_from == 'resume':
     iter_num, best_val_loss, bad_total, evaluated_at = checkpoint.restore(
         ckpt, ckpt_path, optimizer, scaler, rank, world_size, train_gen, depth_gen, eval_only)
     del ckpt  # free the memory
@@ -309,8 +310,8 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
         if iter_num >= max_iters or eval_only:
             break
 
-        # this step's loop count: n_loop, or a draw when loop_sampling is on (docs/papers.md §4)
-        R = raw_model.config.draw_n_loop(depth_gen)
+        # this step's loop count: n_loop, or a draw (loop_sampling, docs/papers.md §4); loop_schedule (§6)
+        R = ops.loop_count(raw_model.config, depth_gen, iter_num, loop_schedule * max_iters)
         # forward and backward over the micro-batches; the loss is divided by their number so that
         # the gradients add up to their mean, and DDP averages over ranks: the global batch's mean
         loss_sum = torch.zeros((), device=device)

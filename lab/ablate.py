@@ -18,6 +18,8 @@ report (markdown tables + PNG plots, lab/reports.py). The presets reproduce the 
     python lab/ablate.py escape_r7   # the same at R = 7, where the laptop model's small exponents fail
     python lab/ablate.py lr_transfer # loop-scaled residuals (§3): best LR per R with and without eps
     python lab/ablate.py moe         # Looped-MoE (§5): dense/MoE x unique/looped + tied routing, 3 seeds
+    python lab/ablate.py retrofit    # retrofitted recurrence (§6): loop a pretrained model, 3 seeds
+    python lab/ablate.py retrofit_gpt2 --dry_run   # the same from GPT-2's weights, on a GPU: the GPU-hours
     python lab/ablate.py deeploop --report_only          # rebuild the report from the finished runs
     python lab/ablate.py blindspot --only=loop_rmsnorm,loop_raw --seeds=1,2 --max_iters=100
 
@@ -261,6 +263,17 @@ PRESETS['init_untied'] = dict(
     arms=[arm(f'loop_{r}-{name}-untied', f'config/loop_{r}.py', init='reference', embd_std=std,
               tie_head=False, tags=dict(init=name, readout=r, head='untied'))
           for name, std in (('reference', 1.0), ('reference_emb0.02', 0.02)) for r in ('rmsnorm', 'raw')])
+# retrofitted recurrence from GPT-2 (docs/papers.md §6), on a GPU: config/retrofit_gpt2.py against GPT-2
+# itself trained on (every layer, no loop) for the same FLOPs: 3,500 steps of 12 layer visits a token
+# against the retrofit's 2,000 of 4 + 4 x 4 + 4 = 24 at R = 4, the last 4 loops backpropagated (its
+# sampled depth and the ramp aside: they shift its FLOPs by a few percent)
+PRESETS['retrofit_gpt2'] = dict(
+    title="Retrofitted recurrence from GPT-2 small: prelude 4 | loop 4 x R | coda 4 vs GPT-2 trained on",
+    laptop='config/retrofit_gpt2.py', seeds=(1,), eval_depth=True, report='recurrent',
+    arms=[arm('retrofit_4x4x4'),
+          arm('gpt2_more', n_prelude=0, n_layer=12, n_coda=0, n_loop=1, injection='none',
+              loop_sampling='fixed', backprop_loops=0, loop_schedule=0.0, max_iters=3500,
+              lr_decay_iters=3500)])
 LONG = dict(max_iters=2000, eval_interval=50)
 PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
     title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",
@@ -742,7 +755,7 @@ def dry_run(jobs, launcher, args):
 def parser():
     ap = Parser('lab/ablate.py', __doc__.split('\n\n')[0])
     ap.epilog = "Any other flag is a config override for every run: --key=value, e.g. --max_iters=100."
-    ap.add_argument('preset', choices=sorted(PRESETS))
+    ap.add_argument('preset', choices=sorted(PRESETS) + ['retrofit'])
     ap.add_argument('--base', action='append', default=[], help='config file(s) replacing the laptop config')
     ap.add_argument('--only', default='', help='comma-separated arm names')
     ap.add_argument('--seeds', default='', help="comma-separated seeds (default: the preset's)")
@@ -817,6 +830,9 @@ def parse_args(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ['retrofit']:  # runs that start from other runs' checkpoints: lab/retrofit_sweep.py
+        from retrofit_sweep import main as retrofit_main
+        return retrofit_main(argv[1:])
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     jobs = plan(args, preset)

@@ -62,7 +62,7 @@ def experts(E=4, C=32, H=16, swiglu=True, seed=1):
     g = torch.Generator().manual_seed(seed)
     c_fc = torch.randn(E, C, (2 if swiglu else 1) * H, generator=g) / C ** 0.5
     c_proj = torch.randn(E, H, C, generator=g) / H ** 0.5
-    return c_fc, c_proj, lambda h: activation(h, swiglu)
+    return c_fc, c_proj, lambda h: activation(h, 'swiglu' if swiglu else 'gelu')
 
 # ---------------------------------------------------------------- the dispatch
 

@@ -121,12 +121,12 @@ def test_resume_may_change_the_attention_kernel_but_not_the_architecture(run_dir
 def test_a_checkpoint_with_a_retired_setting_is_refused_in_one_line(run_dir, capsys):
     path = run_dir / 'out' / 'ckpt.pt'
     ckpt = make_previous_version(path)
-    ckpt['model_args']['bias'] = True
+    ckpt['model_args']['tie_weights'] = False
     torch.save(ckpt, path)
     with pytest.raises(SystemExit):
         checkpoint.load(str(path))
     err = capsys.readouterr().err
-    assert err.count('\n') == 1 and 'bias=True' in err and 'no longer implements' in err
+    assert err.count('\n') == 1 and 'tie_weights=False' in err and 'no longer implements' in err
 
 
 def test_print_config_shows_the_resolved_config_and_touches_nothing(tmp_path):

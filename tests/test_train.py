@@ -164,8 +164,9 @@ def test_eval_block_reports_ce_at_every_exit_and_norm_of_every_loop(tmp_path):
 def test_every_config_file_runs_two_iterations(config_file, tmp_path):
     # GPU presets too: the tiny overrides come after the file, so size, data and device are local and small
     write_data(tmp_path)
+    # (from scratch: a preset that starts from GPT-2's weights would download them; tests/test_retrofit.py)
     code, out, err = run_train([config_file, *TINY, '--max_iters=2', '--eval_interval=2',
-                                '--out_dir=out'], tmp_path)
+                                '--init_from=scratch', '--out_dir=out'], tmp_path)
     assert code == 0, err
     assert 'step 2:' in out
     ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)

@@ -1,0 +1,268 @@
+"""
+Retrofitted recurrence (docs/papers.md §6): a model trained without loops, its layers placed into a looped
+model's prelude, loop and coda. Offline: GPT-2 is a small random transformers.GPT2Config saved to a
+temporary folder and read back through the same path as init_from='gpt2'.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_train import REPO, TINY, TRAIN, read_metrics, run_train, write_data
+from test_reliability import assert_clean_error
+
+import checkpoint
+import ops
+import retrofit
+from configurator import gpt_config
+from model import GPT, GPTConfig
+
+pytest.importorskip('transformers')
+SHAPE = dict(vocab_size=50257, n_positions=32, n_embd=16, n_layer=6, n_head=2)  # TINY's width and heads
+
+
+@pytest.fixture(scope='module')
+def gpt2_dir(tmp_path_factory):
+    """A random GPT-2 of 6 layers, saved as save_pretrained writes it (what from_pretrained reads)."""
+    path = tmp_path_factory.mktemp('gpt2')
+    torch.manual_seed(0)
+    with retrofit.hf_imports('test') as transformers:
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**SHAPE))
+        hf.save_pretrained(path)
+    return str(path)
+
+
+def hf_model(path):
+    with retrofit.hf_imports('test') as transformers:
+        return transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+
+
+def retrofitted(source, **keys):
+    """The GPT that train.py builds for init_from=source with these keys set, and the lines it prints."""
+    config = {**vars(GPTConfig()), **keys}
+    args, ckpt, notes = retrofit.retrofit(source, config, set(keys))
+    model = GPT(gpt_config(args))
+    model.load_state_dict(ckpt['model'])
+    return model.eval(), notes
+
+
+@torch.no_grad()
+def all_logits(model, idx):
+    out = model.run(idx)
+    return model.lm_head(model.coda_readout(out.states[-1], len(out.states)))
+
+
+@pytest.mark.parametrize('split', [{}, dict(n_prelude=2, n_layer=2, n_coda=2)], ids=['all_looped', '2_2_2'])
+def test_unrolled_gpt2_logits_equal_transformers(gpt2_dir, split):
+    # n_loop = 1 with every layer placed in order is GPT-2 itself: its Conv1D weights transposed into
+    # nn.Linear, its biases, tanh GELU and LayerNorms, to float tolerance
+    model, _ = retrofitted(retrofit.gpt2_source(gpt2_dir), n_loop=1, **split)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, SHAPE['vocab_size'], (2, SHAPE['n_positions']), generator=gen)
+    with torch.no_grad():
+        ref = hf_model(gpt2_dir)(idx).logits
+    torch.testing.assert_close(all_logits(model, idx), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_the_loop_takes_the_layers_just_before_the_coda(gpt2_dir):
+    # McLeish et al.'s placement: prelude the first P, coda the last C, the loop the L before the coda,
+    # the layers between prelude and loop dropped
+    assert retrofit.placement(6, 1, 2, 1) == ([0], [3, 4], [5], [1, 2])
+    source = retrofit.gpt2_source(gpt2_dir)
+    model, notes = retrofitted(source, n_prelude=1, n_layer=2, n_coda=1, n_loop=4, injection='concat')
+    t, sd = model.transformer, hf_model(gpt2_dir).state_dict()
+    hf = lambda i, name: sd[f'transformer.h.{i}.{name}']
+    same = lambda block, i: torch.equal(block.attn.c_attn.weight, hf(i, 'attn.c_attn.weight').t()) \
+        and torch.equal(block.mlp.c_proj.bias, hf(i, 'mlp.c_proj.bias'))
+    assert same(t.prelude[0], 0) and same(t.h[0], 3) and same(t.h[1], 4) and same(t.coda[0], 5)
+    assert not same(t.h[0], 1) and not same(t.h[0], 2)
+    assert 'its layers 0 -> prelude, 3-4 -> loop (x 4), 5 -> coda, 1-2 dropped, of 6' in notes[0]
+    # the adapter has no source weights: W = [I 0], so loop 2 first reads loop 1's state unchanged
+    assert 'transformer.adapter.weight' in notes[1]
+    C = SHAPE['n_embd']
+    assert torch.equal(t.adapter.weight, torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1))
+
+
+def test_a_non_looped_nanoloop_checkpoint_retrofits_the_same_way():
+    torch.manual_seed(0)
+    args = dict(vars(GPTConfig()), n_layer=4, n_loop=1, n_embd=32, n_head=2, vocab_size=50, mlp='gelu')
+    unique = GPT(gpt_config(args)).eval()
+    ckpt = {'model': unique.state_dict(), 'model_args': args, 'meta': {'tokenizer': 'char'}}
+    source = retrofit.nanoloop_source(ckpt, 'unique/ckpt.pt')
+    same, _ = retrofitted(source, n_prelude=1, n_layer=2, n_coda=1, n_loop=1)
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(all_logits(same, idx), all_logits(unique, idx), atol=1e-5, rtol=1e-5)
+    looped, _ = retrofitted(source, n_prelude=1, n_layer=2, n_coda=1, n_loop=3)
+    assert torch.equal(looped.transformer.h[0].attn.c_attn.weight, unique.transformer.h[1].attn.c_attn.weight)
+    ckpt['model_args'] = dict(args, n_loop=2)
+    with pytest.raises(SystemExit):
+        retrofit.nanoloop_source(ckpt, 'looped/ckpt.pt')
+
+
+def test_the_curriculum_ramps_the_mean_loop_count_from_1_to_R():
+    fixed = GPTConfig(n_loop=4)
+    counts = [ops.loop_count(fixed, None, it, 60) for it in range(100)]
+    assert counts[0] == 1 and counts[59] == 4 and set(counts[60:]) == {4}
+    assert all(a <= b for a, b in zip(counts, counts[1:])) and set(counts) == {1, 2, 3, 4}
+    assert abs(np.mean(counts[:60]) - 2.5) < 0.1  # a linear ramp: its mean is halfway
+    assert [ops.loop_count(fixed, None, it, 0) for it in range(5)] == [4] * 5  # 0 = no curriculum
+    # a sampled depth's mean ramps with it (Huginn's draw: mean n_loop + 1)
+    sampled, gen = GPTConfig(n_loop=4, loop_sampling='poisson_lognormal'), torch.Generator().manual_seed(0)
+    early = [ops.loop_count(sampled, gen, 0, 1000) for _ in range(2000)]
+    late = [ops.loop_count(sampled, gen, 1000, 1000) for _ in range(2000)]
+    assert abs(np.mean(early) - 2) < 0.1 and abs(np.mean(late) - 5) < 0.2
+
+
+def write_gpt2_data(root):
+    """A dataset of GPT-2 token ids (random), as prepare.py writes a tiktoken dataset."""
+    folder = os.path.join(str(root), 'data', 'tok')
+    os.makedirs(folder, exist_ok=True)
+    ids = np.random.default_rng(0).integers(0, 50257, 6000).astype(np.uint16)
+    ids[:5000].tofile(os.path.join(folder, 'train.bin'))
+    ids[5000:].tofile(os.path.join(folder, 'val.bin'))
+    import json
+    with open(os.path.join(folder, 'meta.json'), 'w') as f:
+        json.dump(dict(dataset='tok', tokenizer='gpt2', vocab_size=50257, dtype='uint16', train_tokens=5000,
+                       val_tokens=1000), f)
+
+
+RETROFIT = ['--n_prelude=1', '--n_layer=2', '--n_coda=1', '--n_loop=3', '--injection=concat']
+
+
+def test_train_py_retrofits_gpt2_and_refuses_a_split_that_does_not_fit(gpt2_dir, tmp_path):
+    write_gpt2_data(tmp_path)
+    args = [*TINY, '--dataset=tok', f'--init_from={gpt2_dir}', '--max_iters=3', '--eval_interval=3']
+    code, out, err = run_train([*args, *RETROFIT, '--loop_schedule=0.5', '--out_dir=r'], tmp_path)
+    assert code == 0, err
+    assert 'of 6' in out and 'K=2 layers looped R=3 times' in out
+    ckpt = torch.load(tmp_path / 'r' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 3 and ckpt['model_args']['bias'] and ckpt['model_args']['mlp'] == 'gelu_tanh'
+    code, out, err = run_train([*args, '--n_prelude=3', '--n_layer=3', '--n_coda=3', '--out_dir=x'], tmp_path)
+    assert_clean_error(code, err, '3 + 3 + 3 = 9 exceeds', '6 layers')
+    code, out, err = run_train([*args, *RETROFIT, '--n_embd=32', '--out_dir=x'], tmp_path)
+    assert_clean_error(code, err, 'n_embd=32', "source's: 16")
+    # GPT-2's tokens on a character dataset: refused, naming the tokenizer
+    write_data(tmp_path)
+    code, out, err = run_train([*args, *RETROFIT, '--dataset=tiny', '--out_dir=x'], tmp_path)
+    assert_clean_error(code, err, 'tokenizer')
+    code, out, err = run_train([*TINY, '--init_from=no-such-folder', '--out_dir=x'], tmp_path)
+    assert_clean_error(code, err, "init_from='no-such-folder'", 'gpt2')
+
+
+def test_without_transformers_init_from_gpt2_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, 'transformers', None)  # import transformers now raises ImportError
+    with pytest.raises(SystemExit):
+        retrofit.gpt2_source('gpt2')
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'pip install transformers' in err
+
+
+def test_a_retrofit_stopped_mid_curriculum_resumes_bit_exact(tmp_path):
+    # pretrain a unique model here, retrofit it with a sampled depth whose mean ramps over the whole run;
+    # a stop signal somewhere in the ramp, then the same run resumed, equals the run without a stop
+    write_data(tmp_path)
+    code, out, err = run_train([*TINY, '--n_layer=4', '--n_loop=1', '--max_iters=2', '--out_dir=u'], tmp_path)
+    assert code == 0, err
+    args = [*TINY, '--init_from=u', *RETROFIT, '--loop_sampling=poisson_lognormal', '--loop_schedule=1.0',
+            '--max_iters=300', '--eval_interval=100', '--log_interval=1']
+    code, out_a, err = run_train([*args, '--out_dir=a'], tmp_path)
+    assert code == 0, err
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')  # each line as it is printed
+    p = subprocess.Popen([sys.executable, TRAIN, *args, '--out_dir=b'], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith('iter 20:'):
+            p.send_signal(signal.SIGUSR1)
+            break
+    p.communicate(timeout=120)
+    assert p.returncode == 0
+    stopped = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['iter_num']
+    assert 20 < stopped < 300, stopped  # mid-curriculum
+    code, out_b, err = run_train(['--init_from=resume', '--out_dir=b'], tmp_path)
+    assert code == 0, err
+    rows = lambda d: [{k: v for k, v in r.items() if k != 'time'}
+                      for r in read_metrics(tmp_path / d / 'metrics.jsonl')]
+    assert rows('a') == rows('b')
+    losses = lambda out: [line.split(', time')[0] for line in out.splitlines() if line.startswith('iter ')]
+    assert losses(out_a)[stopped:] == losses(out_b)  # the same losses and drawn loop counts from there
+    a, b = (torch.load(tmp_path / d / 'ckpt.pt', weights_only=True)['model'] for d in 'ab')
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+# -----------------------------------------------------------------------------
+# the laptop sweep (lab/ablate.py retrofit): equal FLOPs, and verdicts by the one rule
+
+sys.path.insert(0, os.path.join(REPO, 'lab'))
+import retrofit_sweep as sweep
+
+
+@pytest.fixture(scope='module')
+def sweep_runs():
+    a = sweep.parser().parse_args(['--seeds=1', '--loops=2,4', '--pretrain_iters=100', '--retrofit_iters=40'])
+    a.seeds, a.loops = [1], [2, 4]
+    sweep.BASE_MODEL.update(sweep.base_model())
+    return {r['arm']: r for r in sweep.plan(a)}
+
+
+def test_the_arms_spend_the_retrofits_total_flops(sweep_runs):
+    per_token = sweep.model_flops
+    pre = sweep.TOKENS * 100 * per_token(sweep.UNIQUE)
+    for R in (2, 4):
+        looped = {**sweep.LOOPED, 'n_loop': R}
+        # the retrofit pays the loop count its curriculum gives each step: 1 at first, R from step 20 on
+        cfg = gpt_config({**sweep.BASE_MODEL, **looped})
+        counts = [ops.loop_count(cfg, None, it, 20) for it in range(40)]
+        assert counts[0] == 1 and counts[20:] == [R] * 20
+        extra = sweep.TOKENS * sum(per_token(looped, n_loop=r) for r in counts)
+        rf, sc, more = (sweep_runs[f'{arm}_R{R}'] for arm in ('retrofit', 'scratch', 'unique_more'))
+        assert rf['flops'] == pytest.approx(pre + extra) and rf['cost'] == pytest.approx(extra)
+        # scratch trains as long as pretraining + retrofit cost; the unique model trains on for the extra
+        step = sweep.TOKENS * per_token(looped)
+        assert abs(sc['flags']['max_iters'] * step - (pre + extra)) <= step / 2
+        step = sweep.TOKENS * per_token(sweep.UNIQUE)
+        assert abs((more['flags']['max_iters'] - 100) * step - extra) <= step / 2
+        assert rf['flags']['init_from'] == more['start'] == sweep_runs['unique']['out_dir']
+
+
+def fake_runs(gap_scratch, gap_more, noise, seeds=(1, 2, 3, 4)):
+    """Finished runs whose val CE is given: the retrofit at 2.0 + noise per seed, the others a gap above."""
+    runs = []
+    for i, s in enumerate(seeds):
+        e = noise * (-1) ** i * (1 + i / 4)
+        runs += [dict(arm='retrofit_R2', R=2, seed=s, val_ce=[2.2, 2.0 + e, 2.1, 2.3]),
+                 dict(arm='scratch_R2', R=2, seed=s, val_ce=[2.5, 2.0 + gap_scratch - e, 2.1, 2.3]),
+                 dict(arm='unique_more_R2', R=1, seed=s, val_ce=[2.0 + gap_more - e])]
+    return sweep.arms(runs)
+
+
+def test_the_sweeps_verdicts_come_from_the_rule():
+    words = lambda by: {k: w for k, w, n, why in sweep.claims(by, [2])}
+    v = words(fake_runs(gap_scratch=0.1, gap_more=-0.1, noise=0.005))
+    assert v['retrofit_vs_scratch_R2'] == 'reproduces'               # lower than scratch beyond noise
+    assert v['retrofit_vs_unique_more_R2'] == 'does not reproduce'   # the unique model trained on wins
+    assert v['retrofit_more_loops_R2'] == 'reproduces'               # k = 2 beats k = 1 in every seed
+    assert v['retrofit_past_trained_R2'] == 'does not reproduce'     # k = 4 is worse than k = 2
+    v = words(fake_runs(gap_scratch=0.01, gap_more=0.01, noise=0.05))
+    assert v['retrofit_vs_scratch_R2'] == v['retrofit_vs_unique_more_R2'] == 'inconclusive'
+
+
+def test_the_committed_report_is_the_rule_on_its_runs():
+    # assets/retrofit.md's verdict lines are what claims() gives on assets/retrofit.json's runs
+    import json
+    runs = json.load(open(os.path.join(REPO, 'assets', 'retrofit.json')))
+    text = open(os.path.join(REPO, 'assets', 'retrofit.md')).read()
+    for key, word, n, why in sweep.claims(sweep.arms(runs), [2, 4]):
+        assert f"- {key}: {word} ({n} seeds); {why}" in text
+
+
+def test_a_gpt2_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
+    # offline with a hub name, or a folder of something else: transformers' error in one line, what to do
+    (tmp_path / 'config.json').write_text('{"model_type": "gpt2"}')
+    with pytest.raises(SystemExit):
+        retrofit.gpt2_source(str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'could not load it' in err and 'save_pretrained' in err
