@@ -31,11 +31,12 @@ README's results section and docs/results.md. In that prose:
   a report column's header written in `code` (`looped_moe`) is one; LABEL names the rows whose first cell it
   is and the columns it heads. A name binds the numbers after it up to the next name or the end of its
   sentence (. ; : ! ?). A number no name binds, or one in `derived:`, is checked by the rule above.
-- every verdict (*reproduces*, *direction only*, *does not reproduce*, *not tested*) binds to a line of a
-  source's "### Verdicts" block, `- KEY: VERDICT (N seeds)...`, whose KEY occurs in the verdict's sentence
-  and whose N is the verdict's seed count: the first "N seed(s)" after it in its paragraph, else the last
-  before it there, else the last the section stated above it. The paragraph that defines the four words
-  (it names all four) is exempt.
+- every verdict (*reproduces*, *direction only*, *does not reproduce*, *inconclusive*, *not tested*) binds to
+  a line of a source's "### Verdicts" block, `- KEY: VERDICT (N seeds)...`, whose KEY occurs in the verdict's
+  sentence and whose N is the verdict's seed count: the first "N seed(s)" after it in its paragraph, else the
+  last before it there, else the last the section stated above it. The paragraph that defines the five words
+  (it names all five) is exempt. The words themselves come from one rule, lab/verdict.py's verdict(), which
+  the tests at the end of this file pin on synthetic cases of each outcome.
 
 A number is what a reader reads as one: 2.59, -0.20, +0.090, 5.6e-09, 1,922, 39, x1.10's 1.10. The sign is
 part of it; the minus sign U+2212 reads as '-', and a thousands comma is dropped (10,000 = 10000). Nothing
@@ -44,18 +45,21 @@ else is rounded or reformatted: 2.592 and 2.59 are different numbers.
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from verdict import T975, bootstrap_ci, mean_ci, n_to_decide, verdict
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = r'(?:assets/[\w.-]+\.md|docs/papers\.md)'
 FROM = re.compile(rf'^<!-- from ({SOURCE}(?:, {SOURCE})*)((?:; [^;]+)*) -->$')
 NOT_FROM = re.compile(r'^<!-- not from an asset: \S.* -->$')
 NUMBER = re.compile(r'(?<![\d.])([+\-\u2212]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+\-\u2212]?\d+)?(?!\d)')
-VERDICT = re.compile(r'\b(does not reproduce|direction only|not tested|reproduces)\b', re.I)
+VERDICT = re.compile(r'\b(does not reproduce|direction only|not tested|inconclusive|reproduces)\b', re.I)
 SEEDS = re.compile(r'\b(\d+|one|two|three|four|five|six|seven|eight|nine|ten) seeds?\b', re.I)
 WORDS = dict(one=1, two=2, three=3, four=4, five=5, six=6, seven=7, eight=8, nine=9, ten=10)
-REPORT_VERDICT = re.compile(r'^- (.+?): (reproduces|direction only|does not reproduce|not tested) '
-                            r'\((\d+) seeds?\)')
+REPORT_VERDICT = re.compile(r'^- (.+?): (reproduces|direction only|does not reproduce|not tested|'
+                            r'inconclusive) \((\d+) seeds?\)')
 README_RESULTS = '## Results at laptop scale'
 # the display names the docs give the reports' arms (a marker's own `LABEL -> ROW` comes first)
 ARMS = {
@@ -346,7 +350,7 @@ def prose_problems(path, lineno, text, parsed, section_seeds):
     """One message per number or verdict of a paragraph that its sources do not carry."""
     where = f"{shown(path)}:{lineno}"
     verdicts = [m for m in VERDICT.finditer(text)]
-    if len({m.group(1).lower() for m in verdicts}) == 4:
+    if len({m.group(1).lower() for m in verdicts}) == 5:
         verdicts = []  # the paragraph that defines the vocabulary
     wanted = checked(text)
     if not parsed:
@@ -599,3 +603,79 @@ def test_committed_docs_copied_unchanged_pass(tmp_path):
 def test_a_planted_error_is_caught(tmp_path, error):
     name, old, new = ERRORS[error]
     assert planted(tmp_path, name, old, new), f"{error}: not caught"
+
+
+# -----------------------------------------------------------------------------
+# the one verdict rule (lab/verdict.py) on synthetic cases of each outcome
+
+
+def test_t_quantiles_of_the_paired_ci_are_students():
+    stats = pytest.importorskip('scipy.stats')
+    assert np.allclose(T975, [stats.t.ppf(0.975, df) for df in range(1, len(T975) + 1)], atol=6e-4)
+
+
+def test_a_ci_on_the_papers_side_that_holds_its_size_reproduces():
+    assert verdict(-0.15, -0.20, -0.10, sign=-1)[0] == 'reproduces'  # a sign claimed, no size
+    assert verdict(0.40, 0.30, 0.50, paper=0.45)[0] == 'reproduces'
+
+
+def test_a_ci_on_the_papers_side_that_excludes_its_size_is_direction_only():
+    word, why = verdict(0.05, 0.02, 0.08, paper=0.193)
+    assert word == 'direction only' and "excludes the paper's +0.193" in why
+    assert verdict(0.40, 0.30, 0.50, paper=0.45, sign=+1)[0] != 'direction only'
+    assert verdict(0.05, 0.02, 0.08, sign=+1)[0] == 'reproduces'  # without a size, no 'direction only'
+
+
+def test_a_ci_that_excludes_the_papers_value_or_lies_beyond_0_on_the_other_side_does_not_reproduce():
+    assert verdict(0.050, -0.11, 0.17, paper=0.193)[0] == 'does not reproduce'  # holds 0, not the paper's
+    word, why = verdict(0.15, 0.10, 0.20, sign=-1)
+    assert word == 'does not reproduce' and 'other sign' in why
+
+
+def test_a_ci_that_holds_0_and_the_papers_value_is_inconclusive_and_names_the_n_that_decides():
+    word, why = verdict(-0.006, -0.11, 0.08, paper=-0.079, sign=-1, n=13, unit='groups')
+    assert word == 'inconclusive'
+    # half-width 0.095 must fall to 0.073, the distance to the farther of 0 and -0.079: 13 (0.095/0.073)^2
+    assert 'about 23 groups would decide it (n 13 now' in why
+    assert n_to_decide(4, 0.10, 0.05) == 16 and n_to_decide(4, 0.10, 0.20) == 5
+    assert n_to_decide(4, 1, 0) is None  # the effect on the deciding point: no n decides
+    assert verdict(0.02, -0.01, 0.05, n=3)[0] == 'inconclusive'  # a sign claimed, the CI holds 0
+
+
+def test_the_predicted_n_decides_on_simulated_seeds():
+    # an effect of 0.5 sd: at n 4 the CI holds 0; at the n the rule names (and Student's t at its df) it
+    # excludes 0 on most draws, at n 4 on few
+    rng, decided = np.random.default_rng(0), {}
+    m, lo, hi = mean_ci(0.5 + rng.standard_normal(4))
+    word, why = verdict(m, lo, hi, n=4)
+    k = int(re.search(r'about (\d+) seeds', why).group(1)) if word == 'inconclusive' else 4
+    for n in (4, max(k, 40)):
+        cis = [mean_ci(0.5 + rng.standard_normal(n)) for _ in range(200)]
+        decided[n] = np.mean([verdict(*c, n=n)[0] == 'reproduces' for c in cis])
+    assert decided[4] < 0.5 < decided[max(k, 40)], decided
+
+
+def test_three_same_sign_seeds_are_no_ci_that_excludes_0():
+    # disjoint minus free routing, per seed: all three below 0, yet the paired CI holds 0
+    word, why = verdict(*mean_ci([-0.0059, -0.0080, -0.0024]), sign=-1, n=3, spec='+.4f')
+    assert word == 'inconclusive' and 'CI [-0.0125, +0.0016]' in why
+    assert verdict(*mean_ci([-0.01]), sign=-1)[0] == 'inconclusive'  # one seed: no CI at all
+
+
+def test_an_equivalence_claim_is_judged_against_its_stated_margin():
+    assert verdict(0.001, -0.004, 0.006, margin=0.01)[0] == 'reproduces'
+    assert verdict(0.042, 0.025, 0.060, margin=0.01)[0] == 'does not reproduce'
+    word, why = verdict(0.042, -0.017, 0.100, margin=0.02, n=3)
+    assert word == 'inconclusive' and 'crosses the equivalence margin ±0.020' in why
+    with pytest.raises(AssertionError):
+        verdict(0.0, -0.1, 0.1, margin=0)
+
+
+def test_a_bootstrap_over_correlated_groups_is_wider_than_one_over_their_runs():
+    # 8 groups of 10 runs sharing a group effect: the unit of independence is the group
+    rng = np.random.default_rng(1)
+    groups = [list(g + 0.1 * rng.standard_normal(10)) for g in rng.standard_normal(8)]
+    pooled = lambda gs: float(np.mean([x for g in gs for x in g]))  # noqa: E731
+    by_group, by_run = bootstrap_ci(groups, pooled), bootstrap_ci([[x] for g in groups for x in g], pooled)
+    assert by_group[0] == pytest.approx(by_run[0])
+    assert by_group[2] - by_group[1] > 2 * (by_run[2] - by_run[1])
