@@ -17,7 +17,8 @@ Tables. A row binds to ONE report row: its label (first cell) resolves to a repo
 marker's map, then ARMS, then the label itself, then a report label the label spells out, e.g. in
 `code`), and its other cells, in order, each hold the tokens of one report cell or of a run of adjacent
 ones (a doc may leave columns out, never reorder them). Tokens are the numbers and the verdicts. A row
-whose label names no report row but states a verdict (a summary of claims) is checked as prose.
+whose label names no report row but states a verdict (a summary of claims) is checked as prose, against the
+report its row links to where it links one.
 
 Prose. A marker also covers the paragraphs and bullets after it, up to the next heading or marker, in
 README's results section and docs/results.md. In that prose:
@@ -42,6 +43,7 @@ A number is what a reader reads as one: 2.59, -0.20, +0.090, 5.6e-09, 1,922, 39,
 part of it; the minus sign U+2212 reads as '-', and a thousands comma is dropped (10,000 = 10000). Nothing
 else is rounded or reformatted: 2.592 and 2.59 are different numbers.
 """
+import json
 import re
 from pathlib import Path
 
@@ -256,7 +258,11 @@ def row_problems(path, table, lines):
             continue
         rep = candidates(label, labels, known)
         if not rep and VERDICT.search(lines[lineno - 1]):
-            out += prose_problems(path, lineno, lines[lineno - 1], parsed, None)
+            # a summary row's verdict binds to the report its row links to, not to any of the marker's
+            linked = [f'assets/{n}' for n in re.findall(r'\(\.{0,2}/?assets/([\w.-]+\.md)\)',
+                                                        lines[lineno - 1])]
+            own = linked if linked and set(linked) <= set(sources) else None
+            out += prose_problems(path, lineno, lines[lineno - 1], parsed, None, verdicts_from=own)
         elif not rep:
             out.append(f"{shown(path)}:{lineno}: no row of {', '.join(sources)} is labelled '{label}' "
                        f"(map it in the marker: '{label} -> REPORT LABEL')")
@@ -346,8 +352,9 @@ def bindings(text, sources, labels):
     return out
 
 
-def prose_problems(path, lineno, text, parsed, section_seeds):
-    """One message per number or verdict of a paragraph that its sources do not carry."""
+def prose_problems(path, lineno, text, parsed, section_seeds, verdicts_from=None):
+    """One message per number or verdict of a paragraph that its sources do not carry (its verdicts: those
+    of verdicts_from, where given, a summary row's own report)."""
     where = f"{shown(path)}:{lineno}"
     verdicts = [m for m in VERDICT.finditer(text)]
     if len({m.group(1).lower() for m in verdicts}) == 5:
@@ -373,7 +380,7 @@ def prose_problems(path, lineno, text, parsed, section_seeds):
         elif unsigned(n) not in cells_of:
             out.append(f"{where}: {n} follows '{name}' but is in none of the cells '{label}' names in "
                        f"{', '.join(sources)}")
-    said = report_verdicts(sources)
+    said = report_verdicts(verdicts_from or sources)
     for m in verdicts:
         after = SEEDS.search(text, m.end())
         before = list(SEEDS.finditer(text, 0, m.start()))
@@ -382,7 +389,8 @@ def prose_problems(path, lineno, text, parsed, section_seeds):
         word = m.group(1).lower()
         if not any(key in sentence and v == word and s == n for key, v, s in said):
             keys = [f"{key}: {v} ({s})" for key, v, s in said if key in sentence]
-            out.append(f"{where}: '{word}' ({n} seeds) is no verdict of {', '.join(sources)} on this claim"
+            out.append(f"{where}: '{word}' ({n} seeds) is no verdict of "
+                       f"{', '.join(verdicts_from or sources)} on this claim"
                        + (f"; the report says {'; '.join(keys)}" if keys else
                           "; no report verdict's key occurs in its sentence"))
     return out
@@ -621,7 +629,7 @@ def test_a_ci_on_the_papers_side_that_holds_its_size_reproduces():
 
 def test_a_ci_on_the_papers_side_that_excludes_its_size_is_direction_only():
     word, why = verdict(0.05, 0.02, 0.08, paper=0.193)
-    assert word == 'direction only' and "excludes the paper's +0.193" in why
+    assert word == 'direction only' and "excludes the claimed size +0.193" in why
     assert verdict(0.40, 0.30, 0.50, paper=0.45, sign=+1)[0] != 'direction only'
     assert verdict(0.05, 0.02, 0.08, sign=+1)[0] == 'reproduces'  # without a size, no 'direction only'
 
@@ -679,3 +687,21 @@ def test_a_bootstrap_over_correlated_groups_is_wider_than_one_over_their_runs():
     by_group, by_run = bootstrap_ci(groups, pooled), bootstrap_ci([[x] for g in groups for x in g], pooled)
     assert by_group[0] == pytest.approx(by_run[0])
     assert by_group[2] - by_group[1] > 2 * (by_run[2] - by_run[1])
+
+
+def report_block(name):
+    """The lines of assets/NAME.md's "### Verdicts" block, as the report states them."""
+    lines = (REPO / 'assets' / f'{name}.md').read_text(encoding='utf-8').splitlines()
+    i = lines.index('### Verdicts') + 2
+    j = next((k for k in range(i, len(lines)) if not lines[k].startswith('- ')), len(lines))
+    return lines[i:j]
+
+
+@pytest.mark.parametrize('name', ['moe', 'moe_4x2', 'moe_causal'])
+def test_looped_moe_verdicts_are_the_rules_on_the_reports_per_seed_records(name):
+    # each report's .json holds every run's moe_eval.json: the verdicts recomputed from them by the rule
+    import moe
+    from reports import verdict_block
+    runs = json.loads((REPO / 'assets' / f'{name}.json').read_text(encoding='utf-8'))
+    ev = {arm: {r['seed']: r['moe_eval'] for r in rs if r.get('moe_eval')} for arm, rs in runs.items()}
+    assert [line for line in verdict_block(moe.verdicts(ev)) if line.startswith('- ')] == report_block(name)
