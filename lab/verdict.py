@@ -115,3 +115,23 @@ def verdict(effect, lo, hi, paper=None, sign=+1, margin=None, n=None, unit='seed
         return 'does not reproduce', f"{ci}: holds 0 and excludes {at}"
     word, why = undecided(effect, lo, hi, max(abs(effect), abs(effect - paper)), n, unit, spec)
     return word, f"{ci}: holds 0 and {at}; {why}"
+
+
+def shares_ci(k1, n1, k2, n2):
+    """(k1/n1 - k2/n2, lo, hi): the 95 % CI of a difference of two shares (runs stuck, say) by Newcombe's
+    hybrid score method (Wilson's interval for each share), which stays inside [-1, 1] at 0 of n."""
+    def wilson(k, n):
+        p, z2 = k / n, Z975 ** 2
+        mid, half = (p + z2 / (2 * n)) / (1 + z2 / n), Z975 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+        return p, mid - half / (1 + z2 / n), mid + half / (1 + z2 / n)
+    (p1, l1, u1), (p2, l2, u2) = wilson(k1, n1), wilson(k2, n2)
+    d = p1 - p2
+    return d, d - math.hypot(p1 - l1, u2 - p2), d + math.hypot(u1 - p1, p2 - l2)
+
+
+def weakest(words):
+    """The verdict on a claim that must hold in every one of several cells: its weakest cell's."""
+    for word in ('does not reproduce', 'inconclusive', 'direction only', 'reproduces'):
+        if word in words:
+            return word
+    return 'not tested'
