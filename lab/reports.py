@@ -325,6 +325,7 @@ def halting_row(name, runs):
 
 MATCHED_BUDGETS = (1, 1.5, 2, 2.5, 3, 4)  # average loops per sequence
 BASELINE_ARM = 'loop_rmsnorm'             # the scale-invariant readout the fixes are compared with
+POLICY_NAMES = dict(maxprob='max-prob', kl='KL')  # the exit scores' names in the matched-depth captions
 
 
 def ppl_within(d, budget):
@@ -374,10 +375,12 @@ def matched_tables(arms, key='scale-controlled variants', missing=None):
     # missing: {arm: seeds} of the arms left out, not evaluated on two seeds yet. Any of them could
     # still be the weakest arm, so the claim stays not tested; the arms shown keep their own verdicts.
     cols = ' | '.join(f'≤ {b:g}' for b in MATCHED_BUDGETS)
+    # the exit policies ppl_within counts: every one eval_depth scored, named from the runs themselves
+    scores = dict.fromkeys(p for runs in arms.values() for d in depths(runs) for p in d['adaptive'])
     lines = ["### Matched inference depth: the lowest val PPL within a budget of average loops", "",
-             "Operating points: the fixed exits and every adaptive-exit threshold (max-prob, margin, "
-             "entropy; thresholds at score quantiles over all validation windows, so not calibrated). "
-             "Mean over seeds (each seed in brackets).", "",
+             "Operating points: the fixed exits and every adaptive-exit threshold ("
+             + ', '.join(POLICY_NAMES.get(p, p) for p in scores) + "; thresholds at score quantiles over "
+             "all validation windows, so not calibrated). Mean over seeds (each seed in brackets).", "",
              f"| arm | seeds | {cols} |", "|---|---|" + "---|" * len(MATCHED_BUDGETS)]
     for name, runs in arms.items():
         ds = by_seed(runs)
