@@ -11,15 +11,17 @@ intermediate layers). For a looped model with experts it holds the routing diver
 too (lab/routing.py: overlap of the top-k sets against independent routing, kappa, kappa given the input
 token, JS, distinct experts), and for every run the model's config, so that the records tell the shapes apart.
 
-The report's verdicts, each computed from the runs, paired by seed:
+The report's verdicts, each from the one rule (lab/verdict.py) on a 95 % CI over the seeds, paired by seed:
   (a) experts close dense looping's gap: CE(dense_looped) - CE(looped_moe) over CE(dense_looped) -
       CE(dense_unique), the share of the gap closed (>= 1: reversed)
   (b) loop boundaries are better exits: looped_moe's CE below dense_unique's at every inner boundary
   (c) routing diverges more than chance: kappa < 0 in every layer and pair of loops
   (d) routing agrees more than chance: kappa > 0 in every layer and pair of loops (c's opposite reading)
-  (e) tied routing loses what the experts gained: looped_moe_tied keeps under half the gain of (a)
-  (f) forcing the loops apart helps: looped_moe_disjoint (loop k routes among its own E/R experts) ends
-      below looped_moe; with (e) the causal test has two sides: divergence helping predicts (f) and (e)
+  (e) tied routing loses what the experts gained: the share of looped_moe's gain over dense_looped that
+      looped_moe_tied loses, claimed > 0 and the whole of it
+  (f) forcing the loops apart helps: looped_moe_disjoint (loop k routes among its own E/R experts, a pool
+      halved as well as kept apart) ends below looped_moe; with (e) the causal test has two sides:
+      divergence helping predicts (f) and (e)
 """
 import dataclasses
 import os
@@ -38,6 +40,7 @@ from eval_depth import cpu_threads, val_windows, write_json
 from prepare import load_meta
 from reports import fmt, mean, plt_or_none, read_json, save, std, verdict_block
 from routing import collect, divergence
+from verdict import mean_ci, verdict
 
 ARMS = ('dense_unique', 'moe_unique', 'dense_looped', 'looped_moe', 'looped_moe_tied', 'looped_moe_disjoint')
 
@@ -125,13 +128,12 @@ def paired(ev, f, *names):
     return [f(*(ev[n][s] for n in names)) for s in seeds]
 
 
-def verdict(values, every, mean_ok, how):
-    # the project's vocabulary: every seed -> reproduces, the mean only -> direction only
+def claim(values, how, **rule):
+    # the one verdict rule (lab/verdict.py) on the per-seed values, each seed an independent unit
     if not values:
         return 'not tested', 0, how
-    word = 'reproduces' if all(map(every, values)) else 'direction only' if mean_ok(mean(values)) \
-        else 'does not reproduce'
-    return word, len(values), how
+    word, why = verdict(*mean_ci(values), n=len(values), spec='+.4f', **rule)
+    return word, len(values), f"{how}: {why}"
 
 
 def final(e):
@@ -155,42 +157,40 @@ def verdicts(ev):
     signs = [mean(v) for v in cells.values() if None not in v]
     lean = (f"; on the mean over seeds kappa > 0 in {sum(x > 0 for x in signs)} of {len(signs)} "
             f"(layer, pair of loops) cells, < 0 in {sum(x < 0 for x in signs)}")
-    tied = paired(ev, lambda d, m, t: (final(d) - final(t)) / (final(d) - final(m)),
+    lost = paired(ev, lambda d, m, t: (final(t) - final(m)) / (final(d) - final(m)),
                   'dense_looped', 'looped_moe', 'looped_moe_tied')
     out = [('experts close dense looping\'s gap to the unique model',
-            *verdict(gap, lambda f: f >= 0.5, lambda f: f > 0,
-                     "computed: the share of CE(dense_looped) - CE(dense_unique) that looped_moe closes, "
-                     "per seed, >= 0.5 in every seed (>= 1: reversed)")),
+            *claim(gap, "computed: the share of CE(dense_looped) - CE(dense_unique) that looped_moe closes "
+                   "per seed (>= 1: reversed), claimed > 0", sign=+1)),
            ('loop boundaries are better exits',
-            *verdict(exits, lambda x: x < 0, lambda x: x < 0,
-                     "computed: looped_moe's CE minus dense_unique's at the same depth, worst inner "
-                     "boundary, below 0 in every seed")),
+            *claim(exits, "computed: looped_moe's CE minus dense_unique's at the same depth, worst inner "
+                   "boundary per seed, claimed < 0", sign=-1)),
            ('routing diverges more than chance',
-            *verdict(kappa_max, lambda x: x < 0, lambda x: x < 0,
-                     "computed: kappa < 0 in every layer and pair of loops, per seed (0: independent "
-                     "routing)" + lean)),
+            *claim(kappa_max, "computed: the largest kappa of the layers and pairs of loops per seed (0: "
+                   "independent routing), claimed < 0 (kappa < 0 in every one)" + lean, sign=-1)),
            ('routing agrees more than chance',
-            *verdict(kappa_min, lambda x: x > 0, lambda x: x > 0,
-                     "computed: kappa > 0 in every layer and pair of loops, per seed" + lean)),
+            *claim(kappa_min, "computed: the smallest kappa of the layers and pairs of loops per seed, "
+                   "claimed > 0 (kappa > 0 in every one)" + lean, sign=+1)),
            ('tied routing loses the experts\' gain',
-            *verdict(tied, lambda f: f < 0.5, lambda f: f < 0.5,
-                     "computed: looped_moe_tied keeps under half of looped_moe's gain over dense_looped, "
-                     "per seed")),
+            *claim(lost, "computed: the share of looped_moe's gain over dense_looped that looped_moe_tied "
+                   "loses per seed, claimed > 0 and the whole of it (1)", sign=+1, paper=1.0)),
            ('forcing the loops apart helps', *forced_verdict(ev))]
     return out
 
 
 def forced_verdict(ev):
     # (f): the disjoint arm against free routing, paired by seed; the tied arm's side read the same way
-    # (positive: above free routing), so both halves of the causal test are in the one line
+    # (positive: above free routing), so both halves of the causal test are in the one line. Disjoint
+    # routing also gives each loop E/R experts, not E: a smaller pool, so this is not divergence alone.
     forced = paired(ev, lambda m, f: final(f) - final(m), 'looped_moe', 'looped_moe_disjoint')
     tied = paired(ev, lambda m, t: final(t) - final(m), 'looped_moe', 'looped_moe_tied')
-    side = (f"; tied - free {mean(tied):+.4f} nats on the mean, above 0 in {sum(x > 0 for x in tied)} of "
-            f"{len(tied)} seeds") if tied else ''
-    return verdict(forced, lambda x: x < 0, lambda x: x < 0,
-                   "computed: CE(looped_moe_disjoint) - CE(looped_moe) at full depth below 0 in every seed"
-                   + (f" (mean {mean(forced):+.4f} nats, per seed " + ', '.join(f"{x:+.4f}" for x in forced)
-                      + ")" if forced else '') + side)
+    side = ''
+    if len(tied) > 1:
+        m, lo, hi = mean_ci(tied)
+        side = f"; tied - free {m:+.4f} nats, 95 % CI [{lo:+.4f}, {hi:+.4f}] over {len(tied)} seeds"
+    each = f" ({', '.join(f'{x:+.4f}' for x in forced)})" if forced else ''
+    return claim(forced, f"computed: CE(looped_moe_disjoint) - CE(looped_moe) at full depth per seed{each}, "
+                 "claimed < 0; each loop routes among E/R experts, so the pool halves too" + side, sign=-1)
 
 
 def ce_table(ev):

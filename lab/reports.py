@@ -11,6 +11,8 @@ import os
 
 import numpy as np
 
+from verdict import mean_ci, shares_ci, verdict, weakest
+
 TEST_LOOPS = (1, 2, 4, 8, 16)  # the recurrent report's test-time depths
 HALT_POLICIES = ('margin', 'kl', 'gate')  # ... and its exits
 GROWING_STEPS = (150, 600, 1000, 2000, 3000, 5000, 7500, 10_000)  # the growing report's table rows
@@ -323,6 +325,7 @@ def halting_row(name, runs):
 
 MATCHED_BUDGETS = (1, 1.5, 2, 2.5, 3, 4)  # average loops per sequence
 BASELINE_ARM = 'loop_rmsnorm'             # the scale-invariant readout the fixes are compared with
+POLICY_NAMES = dict(maxprob='max-prob', kl='KL')  # the exit scores' names in the matched-depth captions
 
 
 def ppl_within(d, budget):
@@ -372,10 +375,12 @@ def matched_tables(arms, key='scale-controlled variants', missing=None):
     # missing: {arm: seeds} of the arms left out, not evaluated on two seeds yet. Any of them could
     # still be the weakest arm, so the claim stays not tested; the arms shown keep their own verdicts.
     cols = ' | '.join(f'≤ {b:g}' for b in MATCHED_BUDGETS)
+    # the exit policies ppl_within counts: every one eval_depth scored, named from the runs themselves
+    scores = dict.fromkeys(p for runs in arms.values() for d in depths(runs) for p in d['adaptive'])
     lines = ["### Matched inference depth: the lowest val PPL within a budget of average loops", "",
-             "Operating points: the fixed exits and every adaptive-exit threshold (max-prob, margin, "
-             "entropy; thresholds at score quantiles over all validation windows, so not calibrated). "
-             "Mean over seeds (each seed in brackets).", "",
+             "Operating points: the fixed exits and every adaptive-exit threshold ("
+             + ', '.join(POLICY_NAMES.get(p, p) for p in scores) + "; thresholds at score quantiles over "
+             "all validation windows, so not calibrated). Mean over seeds (each seed in brackets).", "",
              f"| arm | seeds | {cols} |", "|---|---|" + "---|" * len(MATCHED_BUDGETS)]
     for name, runs in arms.items():
         ds = by_seed(runs)
@@ -772,6 +777,7 @@ NEUTRAL, REVISITED, REASON, TRAINABILITY = (
     "DeepLoop is neutral at R = 1", "better once blocks are revisited",
     "p = 1/2 as the reason, at each block's best LR", "p = 1/2 as trainability (smaller p stop training)")
 PAPER_SIZE = dict(n_embd=768, max_iters=100_000)    # docs/papers.md §2: GPT-2 small, 100K steps
+NEUTRAL_MARGIN = 0.02  # nats: 'neutral at R = 1' is |DeepLoop - pre-norm| within this, ~ a run's eval noise
 
 
 def paired(a, b):
@@ -798,17 +804,14 @@ def no_verdict(cells):
 
 
 def neutral_verdict(d):
-    # docs/papers.md §2: neutral at R = 1 (the paper's gaps are 0.0004 and 0.0011 nats). Here: the mean
-    # difference, paired by seed, lies within 2 sd of the seeds' differences (a gap the seed spread explains)
-    if len(d) < 2:
-        return 'not tested'
-    return 'reproduces' if abs(mean(d)) <= 2 * std(d) else 'does not reproduce'
+    # docs/papers.md §2: neutral at R = 1 (the paper's gaps are 0.0004 and 0.0011 nats): an equivalence
+    # claim, so the paired CI over seeds must lie within the margin (lab/verdict.py)
+    return verdict(*mean_ci(d), margin=NEUTRAL_MARGIN, n=len(d))
 
 
-def lower_verdict(deltas):
-    # deltas: per compared cell, the per-seed differences (negative: DeepLoop lower). Lower in every cell in
-    # every seed: reproduces; on the mean in every cell: direction only (the rule of matched depth)
-    return matched_verdict(deltas).split(' (')[0]
+def lower_verdict(d):
+    # d: a cell's per-seed differences (negative: DeepLoop lower); lower is claimed, no size
+    return verdict(*mean_ci(d), sign=-1, n=len(d))
 
 
 def stuck(run, floor):
@@ -816,15 +819,14 @@ def stuck(run, floor):
     return outcome(run) is not None and not escaped(run, floor)
 
 
-def trainability_verdict(counts):
-    # docs/papers.md §2: p = 1/4 (DeepNorm) too weak once blocks are revisited, p = 1/2 trains. counts:
-    # {variant: stuck runs at its grid's interior LRs}. p = 1/2 never stuck and every smaller p stuck at
-    # least once: reproduces; p = 1/2 stuck less often than each smaller p: direction only
-    if counts[DEEPLOOP] == 0 and all(counts[v] > 0 for v in SMALLER_P):
-        return 'reproduces'
-    if all(counts[DEEPLOOP] < counts[v] for v in SMALLER_P):
-        return 'direction only'
-    return 'does not reproduce'
+def trainability_verdict(counts, totals):
+    # docs/papers.md §2: p = 1/4 (DeepNorm) too weak once blocks are revisited, p = 1/2 trains. counts and
+    # totals: {variant: stuck runs, runs} at its grid's interior LRs. Each smaller p's share stuck minus
+    # p = 1/2's, claimed > 0, with a CI over the runs (each run its own init and data order); the claim
+    # holds as well as its weakest p: ([(variant, word, why)], word)
+    each = [(v, *verdict(*shares_ci(counts[v], totals[v], counts[DEEPLOOP], totals[DEEPLOOP]),
+                         n=totals[v] + totals[DEEPLOOP], unit='runs')) for v in SMALLER_P]
+    return each, weakest([w for _, w, _ in each])
 
 
 def diffs(d):
@@ -839,7 +841,7 @@ def deeploop_verdicts(runs, Rs, lrs, floor):
     later = [R for R in Rs if R > 1]
     out = []
 
-    def verdict(key, cells, rule, how):
+    def claim(key, cells, rule, how):
         why = no_verdict(cells)
         if why:
             out.append((key, None, None, why, cells))
@@ -849,24 +851,26 @@ def deeploop_verdicts(runs, Rs, lrs, floor):
 
     def neutral():
         d = paired(cell[DEEPLOOP, 1], cell[DEEPLOOP_BASE, 1])
-        return neutral_verdict(d), len(d), f"{DEEPLOOP} minus {DEEPLOOP_BASE} at R = 1: {diffs(d)}"
-    verdict(NEUTRAL, [cell[DEEPLOOP_BASE, 1], cell[DEEPLOOP, 1]] if 1 in Rs else [], neutral,
-            "reproduces if |mean| ≤ 2 sd")
+        word, why = neutral_verdict(d)
+        return word, len(d), f"{DEEPLOOP} minus {DEEPLOOP_BASE} at R = 1: {diffs(d)}; {why}"
+    claim(NEUTRAL, [cell[DEEPLOOP_BASE, 1], cell[DEEPLOOP, 1]] if 1 in Rs else [], neutral,
+          f"an equivalence claim, margin ±{NEUTRAL_MARGIN:g} nats (about one run's eval noise)")
 
-    def revisited():
-        ds = [paired(cell[DEEPLOOP, R], cell[DEEPLOOP_BASE, R]) for R in later]
-        text = '; '.join(f"R = {R}: {diffs(d)}" for R, d in zip(later, ds))
-        return lower_verdict(ds), min(map(len, ds)), f"{DEEPLOOP} minus {DEEPLOOP_BASE}, {text}"
-    verdict(REVISITED, [cell[v, R] for R in later for v in (DEEPLOOP_BASE, DEEPLOOP)], revisited,
-            "reproduces if lower at every R > 1 in every seed, direction only if in the mean")
+    for R in later:  # one claim per R: a solid R does not carry a weak one
+        def revisited(R=R):
+            d = paired(cell[DEEPLOOP, R], cell[DEEPLOOP_BASE, R])
+            word, why = lower_verdict(d)
+            return word, len(d), f"{DEEPLOOP} minus {DEEPLOOP_BASE}: {diffs(d)}; {why}"
+        claim(f"{REVISITED} at R = {R}", [cell[v, R] for v in (DEEPLOOP_BASE, DEEPLOOP)], revisited,
+              "claimed < 0, a CI over the seeds")
 
     def reason():
         pairs = [(v, R, paired(cell[DEEPLOOP, R], cell[v, R])) for v in SMALLER_P for R in later]
-        text = '; '.join(f"minus {v} at R = {R}: {diffs(d)}" for v, R, d in pairs)
-        return lower_verdict([d for _, _, d in pairs]), min(len(d) for _, _, d in pairs), f"{DEEPLOOP} {text}"
-    verdict(REASON, [cell[v, R] for R in later for v in SMALLER_P + (DEEPLOOP,)], reason,
-            "reproduces if p = 1/2 is lower than every smaller p at every R > 1 in every seed, direction "
-            "only if in the mean")
+        words = [(v, R, d, *lower_verdict(d)) for v, R, d in pairs]
+        text = '; '.join(f"minus {v} at R = {R}: {diffs(d)}, {w}: {why}" for v, R, d, w, why in words)
+        return weakest([w for *_, w, _ in words]), min(len(d) for _, _, d in pairs), f"{DEEPLOOP} {text}"
+    claim(REASON, [cell[v, R] for R in later for v in SMALLER_P + (DEEPLOOP,)], reason,
+          "p = 1/2 claimed lower than every smaller p at every R > 1: the weakest of those verdicts")
 
     sandwich = [(v, R, lr) for v in SMALLER_P + (DEEPLOOP,) for R in Rs
                 for lr in lrs if runs_of(runs, variant=v, R=R, lr=lr)]
@@ -877,13 +881,13 @@ def deeploop_verdicts(runs, Rs, lrs, floor):
                else f"fewer than three LRs, so no interior LR, for {', '.join(narrow)}")
         out.append((TRAINABILITY, None, None, why, []))
     else:
-        interior, every, where = {}, {}, {}
+        interior, totals, every, where = {}, {}, {}, {}
         for v in SMALLER_P + (DEEPLOOP,):
             grid = sorted({lr for u, _, lr in sandwich if u == v})
             rs = runs_of(runs, variant=v)
             every[v] = f"{sum(stuck(r, floor) for r in rs)}/{len(rs)}"
             inner = [r for r in rs if r['arm']['tags']['lr'] not in (grid[0], grid[-1])]
-            interior[v] = sum(stuck(r, floor) for r in inner)
+            interior[v], totals[v] = sum(stuck(r, floor) for r in inner), len(inner)
             at = ', '.join(f"R = {r['arm']['tags']['R']} lr {r['arm']['tags']['lr']:g} seed {r['seed']}"
                            for r in rs if stuck(r, floor))
             where[v] = (f"{every[v]} over the grid{f' ({at})' if at else ''}, {interior[v]}/{len(inner)} "
@@ -894,10 +898,13 @@ def deeploop_verdicts(runs, Rs, lrs, floor):
         how = ("runs stuck on the floor (final val loss ≥ " f"{floor - ESCAPE_MARGIN:.4f}, or failed): "
                + '; '.join(f"{v} {where[v]}" for v in every)
                + "; counted at each grid's interior LRs (at its edges an LR may be too small to leave the "
-               "floor in time or too large to train, whatever p): reproduces if p = 1/2 is never stuck there "
-               "and every smaller p is, direction only if p = 1/2 is stuck less often than each. Free of the "
-               f"grid, the highest LR at which every seed trains, R = {' / '.join(map(str, Rs))}: {highest}")
-        out.append((TRAINABILITY, trainability_verdict(interior), seeds, how, []))
+               "floor in time or too large to train, whatever p). Each smaller p's share stuck there minus "
+               "p = 1/2's, claimed > 0, the weakest of: ")
+        each, word = trainability_verdict(interior, totals)
+        how += '; '.join(f"{v} {w}: {why}" for v, w, why in each)
+        how += ". Free of the grid, the highest LR at which every seed trains, R = " \
+            + f"{' / '.join(map(str, Rs))}: "
+        out.append((TRAINABILITY, word, seeds, how + highest, []))
     cfgs = [r['cfg'] for r in runs if r.get('cfg')]
     if cfgs and any(cfgs[0].get(k, 0) < n for k, n in PAPER_SIZE.items()):
         out.append(("the paper's sizes", 'not tested', len({r['seed'] for r in runs}),

@@ -5,8 +5,7 @@ and, where the paper gives one, the paper's value:
 
     reproduces          the CI excludes 0 on the paper's side and, where the paper gives a size, holds it
     direction only      the CI excludes 0 on the paper's side but excludes the paper's size
-    does not reproduce  the CI excludes the paper's value (0 included, when on the wrong side of it)
-                        while holding 0, or lies beyond 0 on the other side
+    does not reproduce  the CI holds 0 but excludes the paper's size, or lies beyond 0 on the other side
     inconclusive        neither: the CI holds 0 and the paper's value; the why names the n that would decide
 
 An equivalence claim ("neutral", "costs little") is judged against a margin stated beside it: reproduces if
@@ -79,9 +78,10 @@ def undecided(effect, lo, hi, needed, n, unit, spec):
 
 def verdict(effect, lo, hi, paper=None, sign=+1, margin=None, n=None, unit='seeds', spec='+.3f'):
     """(word, why) of a claim whose effect is `effect` with 95 % CI [lo, hi] over n units (seeds, groups).
-    sign: the paper's direction (+1: the effect is claimed positive, -1: negative); paper: the paper's value
-    of the effect, where it gives a size; margin: an equivalence claim |effect| <= margin (sign and paper
-    unused). The why states the CI and what decided it; an inconclusive one, the n that would decide."""
+    sign: the paper's direction (+1: the effect is claimed positive, -1: negative); paper: the size claimed,
+    the paper's value of the effect where it gives one (or the size a claim names: 'the whole gain');
+    margin: an equivalence claim |effect| <= margin (sign and paper unused). The why states the CI and
+    what decided it; an inconclusive one, the n that would decide."""
     assert sign in (+1, -1), f"sign {sign}: +1 or -1, the direction the paper claims"
     if lo is None or hi is None:
         return 'inconclusive', f"{effect:{spec}} has no CI: two {unit} at least are needed"
@@ -106,7 +106,7 @@ def verdict(effect, lo, hi, paper=None, sign=+1, margin=None, n=None, unit='seed
         word, why = undecided(effect, lo, hi, abs(effect), n, unit, spec)
         return word, f"{ci}: holds 0; {why}"
     holds_paper = lo <= paper <= hi
-    at = f"the paper's {paper:{spec}}"
+    at = f"the claimed size {paper:{spec}}"
     if side and holds_paper:
         return 'reproduces', f"{ci}: excludes 0 on the paper's side and holds {at}"
     if side:
@@ -115,3 +115,23 @@ def verdict(effect, lo, hi, paper=None, sign=+1, margin=None, n=None, unit='seed
         return 'does not reproduce', f"{ci}: holds 0 and excludes {at}"
     word, why = undecided(effect, lo, hi, max(abs(effect), abs(effect - paper)), n, unit, spec)
     return word, f"{ci}: holds 0 and {at}; {why}"
+
+
+def shares_ci(k1, n1, k2, n2):
+    """(k1/n1 - k2/n2, lo, hi): the 95 % CI of a difference of two shares (runs stuck, say) by Newcombe's
+    hybrid score method (Wilson's interval for each share), which stays inside [-1, 1] at 0 of n."""
+    def wilson(k, n):
+        p, z2 = k / n, Z975 ** 2
+        mid, half = (p + z2 / (2 * n)) / (1 + z2 / n), Z975 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+        return p, mid - half / (1 + z2 / n), mid + half / (1 + z2 / n)
+    (p1, l1, u1), (p2, l2, u2) = wilson(k1, n1), wilson(k2, n2)
+    d = p1 - p2
+    return d, d - math.hypot(p1 - l1, u2 - p2), d + math.hypot(u1 - p1, p2 - l2)
+
+
+def weakest(words):
+    """The verdict on a claim that must hold in every one of several cells: its weakest cell's."""
+    for word in ('does not reproduce', 'inconclusive', 'direction only', 'reproduces'):
+        if word in words:
+            return word
+    return 'not tested'

@@ -17,7 +17,8 @@ Tables. A row binds to ONE report row: its label (first cell) resolves to a repo
 marker's map, then ARMS, then the label itself, then a report label the label spells out, e.g. in
 `code`), and its other cells, in order, each hold the tokens of one report cell or of a run of adjacent
 ones (a doc may leave columns out, never reorder them). Tokens are the numbers and the verdicts. A row
-whose label names no report row but states a verdict (a summary of claims) is checked as prose.
+whose label names no report row but states a verdict (a summary of claims) is checked as prose, against the
+report its row links to where it links one.
 
 Prose. A marker also covers the paragraphs and bullets after it, up to the next heading or marker, in
 README's results section and docs/results.md. In that prose:
@@ -31,31 +32,36 @@ README's results section and docs/results.md. In that prose:
   a report column's header written in `code` (`looped_moe`) is one; LABEL names the rows whose first cell it
   is and the columns it heads. A name binds the numbers after it up to the next name or the end of its
   sentence (. ; : ! ?). A number no name binds, or one in `derived:`, is checked by the rule above.
-- every verdict (*reproduces*, *direction only*, *does not reproduce*, *not tested*) binds to a line of a
-  source's "### Verdicts" block, `- KEY: VERDICT (N seeds)...`, whose KEY occurs in the verdict's sentence
-  and whose N is the verdict's seed count: the first "N seed(s)" after it in its paragraph, else the last
-  before it there, else the last the section stated above it. The paragraph that defines the four words
-  (it names all four) is exempt.
+- every verdict (*reproduces*, *direction only*, *does not reproduce*, *inconclusive*, *not tested*) binds to
+  a line of a source's "### Verdicts" block, `- KEY: VERDICT (N seeds)...`, whose KEY occurs in the verdict's
+  sentence and whose N is the verdict's seed count: the first "N seed(s)" after it in its paragraph, else the
+  last before it there, else the last the section stated above it. The paragraph that defines the five words
+  (it names all five) is exempt. The words themselves come from one rule, lab/verdict.py's verdict(), which
+  the tests at the end of this file pin on synthetic cases of each outcome.
 
 A number is what a reader reads as one: 2.59, -0.20, +0.090, 5.6e-09, 1,922, 39, x1.10's 1.10. The sign is
 part of it; the minus sign U+2212 reads as '-', and a thousands comma is dropped (10,000 = 10000). Nothing
 else is rounded or reformatted: 2.592 and 2.59 are different numbers.
 """
+import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from verdict import T975, bootstrap_ci, mean_ci, n_to_decide, verdict
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = r'(?:assets/[\w.-]+\.md|docs/papers\.md)'
 FROM = re.compile(rf'^<!-- from ({SOURCE}(?:, {SOURCE})*)((?:; [^;]+)*) -->$')
 NOT_FROM = re.compile(r'^<!-- not from an asset: \S.* -->$')
 NUMBER = re.compile(r'(?<![\d.])([+\-\u2212]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+\-\u2212]?\d+)?(?!\d)')
-VERDICT = re.compile(r'\b(does not reproduce|direction only|not tested|reproduces)\b', re.I)
+VERDICT = re.compile(r'\b(does not reproduce|direction only|not tested|inconclusive|reproduces)\b', re.I)
 SEEDS = re.compile(r'\b(\d+|one|two|three|four|five|six|seven|eight|nine|ten) seeds?\b', re.I)
 WORDS = dict(one=1, two=2, three=3, four=4, five=5, six=6, seven=7, eight=8, nine=9, ten=10)
-REPORT_VERDICT = re.compile(r'^- (.+?): (reproduces|direction only|does not reproduce|not tested) '
-                            r'\((\d+) seeds?\)')
+REPORT_VERDICT = re.compile(r'^- (.+?): (reproduces|direction only|does not reproduce|not tested|'
+                            r'inconclusive) \((\d+) seeds?\)')
 README_RESULTS = '## Results at laptop scale'
 # the display names the docs give the reports' arms (a marker's own `LABEL -> ROW` comes first)
 ARMS = {
@@ -252,7 +258,11 @@ def row_problems(path, table, lines):
             continue
         rep = candidates(label, labels, known)
         if not rep and VERDICT.search(lines[lineno - 1]):
-            out += prose_problems(path, lineno, lines[lineno - 1], parsed, None)
+            # a summary row's verdict binds to the report its row links to, not to any of the marker's
+            linked = [f'assets/{n}' for n in re.findall(r'\(\.{0,2}/?assets/([\w.-]+\.md)\)',
+                                                        lines[lineno - 1])]
+            own = linked if linked and set(linked) <= set(sources) else None
+            out += prose_problems(path, lineno, lines[lineno - 1], parsed, None, verdicts_from=own)
         elif not rep:
             out.append(f"{shown(path)}:{lineno}: no row of {', '.join(sources)} is labelled '{label}' "
                        f"(map it in the marker: '{label} -> REPORT LABEL')")
@@ -342,11 +352,12 @@ def bindings(text, sources, labels):
     return out
 
 
-def prose_problems(path, lineno, text, parsed, section_seeds):
-    """One message per number or verdict of a paragraph that its sources do not carry."""
+def prose_problems(path, lineno, text, parsed, section_seeds, verdicts_from=None):
+    """One message per number or verdict of a paragraph that its sources do not carry (its verdicts: those
+    of verdicts_from, where given, a summary row's own report)."""
     where = f"{shown(path)}:{lineno}"
     verdicts = [m for m in VERDICT.finditer(text)]
-    if len({m.group(1).lower() for m in verdicts}) == 4:
+    if len({m.group(1).lower() for m in verdicts}) == 5:
         verdicts = []  # the paragraph that defines the vocabulary
     wanted = checked(text)
     if not parsed:
@@ -369,7 +380,7 @@ def prose_problems(path, lineno, text, parsed, section_seeds):
         elif unsigned(n) not in cells_of:
             out.append(f"{where}: {n} follows '{name}' but is in none of the cells '{label}' names in "
                        f"{', '.join(sources)}")
-    said = report_verdicts(sources)
+    said = report_verdicts(verdicts_from or sources)
     for m in verdicts:
         after = SEEDS.search(text, m.end())
         before = list(SEEDS.finditer(text, 0, m.start()))
@@ -378,7 +389,8 @@ def prose_problems(path, lineno, text, parsed, section_seeds):
         word = m.group(1).lower()
         if not any(key in sentence and v == word and s == n for key, v, s in said):
             keys = [f"{key}: {v} ({s})" for key, v, s in said if key in sentence]
-            out.append(f"{where}: '{word}' ({n} seeds) is no verdict of {', '.join(sources)} on this claim"
+            out.append(f"{where}: '{word}' ({n} seeds) is no verdict of "
+                       f"{', '.join(verdicts_from or sources)} on this claim"
                        + (f"; the report says {'; '.join(keys)}" if keys else
                           "; no report verdict's key occurs in its sentence"))
     return out
@@ -521,9 +533,10 @@ def planted(tmp_path, name, old, new):
 BLINDSPOT_RAW = ('| per-loop + raw | 2.8019 | 15.1 / 16.2 / 16.9 / 17.7 | 28.3 (75) | 22.5 / 17.7 | x0.79 |\n'
                  '| per-loop + final-only norm | 2.7531 |')
 ERRORS = {  # what a careless edit does, in a copy of the committed text: each must be caught
-    'prose number changed': ('results.md', '0.042 nats behind', '0.046 nats behind'),
-    'verdict word changed': ('results.md', '**DeepLoop is neutral at R = 1: reproduces (3 seeds), by',
-                             '**DeepLoop is neutral at R = 1: does not reproduce (3 seeds), by'),
+    'prose number changed': ('results.md', '+0.024, +0.033 and +0.069 per seed',
+                             '+0.024, +0.037 and +0.069 per seed'),
+    'verdict word changed': ('results.md', '**DeepLoop is neutral at R = 1: inconclusive (3 seeds).**',
+                             '**DeepLoop is neutral at R = 1: reproduces (3 seeds).**'),
     'seed count changed': ('results.md', 'one best LR for every R: direction only (2 seeds)',
                            'one best LR for every R: direction only (3 seeds)'),
     'two row labels swapped': ('results.md', BLINDSPOT_RAW, BLINDSPOT_RAW.replace('per-loop + raw', 'X')
@@ -599,3 +612,111 @@ def test_committed_docs_copied_unchanged_pass(tmp_path):
 def test_a_planted_error_is_caught(tmp_path, error):
     name, old, new = ERRORS[error]
     assert planted(tmp_path, name, old, new), f"{error}: not caught"
+
+
+# -----------------------------------------------------------------------------
+# the one verdict rule (lab/verdict.py) on synthetic cases of each outcome
+
+
+def test_t_quantiles_of_the_paired_ci_are_students():
+    stats = pytest.importorskip('scipy.stats')
+    assert np.allclose(T975, [stats.t.ppf(0.975, df) for df in range(1, len(T975) + 1)], atol=6e-4)
+
+
+def test_a_ci_on_the_papers_side_that_holds_its_size_reproduces():
+    assert verdict(-0.15, -0.20, -0.10, sign=-1)[0] == 'reproduces'  # a sign claimed, no size
+    assert verdict(0.40, 0.30, 0.50, paper=0.45)[0] == 'reproduces'
+
+
+def test_a_ci_on_the_papers_side_that_excludes_its_size_is_direction_only():
+    word, why = verdict(0.05, 0.02, 0.08, paper=0.193)
+    assert word == 'direction only' and "excludes the claimed size +0.193" in why
+    assert verdict(0.40, 0.30, 0.50, paper=0.45, sign=+1)[0] != 'direction only'
+    assert verdict(0.05, 0.02, 0.08, sign=+1)[0] == 'reproduces'  # without a size, no 'direction only'
+
+
+def test_a_ci_that_excludes_the_papers_value_or_lies_beyond_0_on_the_other_side_does_not_reproduce():
+    assert verdict(0.050, -0.11, 0.17, paper=0.193)[0] == 'does not reproduce'  # holds 0, not the paper's
+    word, why = verdict(0.15, 0.10, 0.20, sign=-1)
+    assert word == 'does not reproduce' and 'other sign' in why
+
+
+def test_a_ci_that_holds_0_and_the_papers_value_is_inconclusive_and_names_the_n_that_decides():
+    word, why = verdict(-0.006, -0.11, 0.08, paper=-0.079, sign=-1, n=13, unit='groups')
+    assert word == 'inconclusive'
+    # half-width 0.095 must fall to 0.073, the distance to the farther of 0 and -0.079: 13 (0.095/0.073)^2
+    assert 'about 23 groups would decide it (n 13 now' in why
+    assert n_to_decide(4, 0.10, 0.05) == 16 and n_to_decide(4, 0.10, 0.20) == 5
+    assert n_to_decide(4, 1, 0) is None  # the effect on the deciding point: no n decides
+    assert verdict(0.02, -0.01, 0.05, n=3)[0] == 'inconclusive'  # a sign claimed, the CI holds 0
+
+
+def test_the_predicted_n_decides_on_simulated_seeds():
+    # an effect of 0.5 sd: at n 4 the CI holds 0; at the n the rule names (and Student's t at its df) it
+    # excludes 0 on most draws, at n 4 on few
+    rng, decided = np.random.default_rng(0), {}
+    m, lo, hi = mean_ci(0.5 + rng.standard_normal(4))
+    word, why = verdict(m, lo, hi, n=4)
+    k = int(re.search(r'about (\d+) seeds', why).group(1)) if word == 'inconclusive' else 4
+    for n in (4, max(k, 40)):
+        cis = [mean_ci(0.5 + rng.standard_normal(n)) for _ in range(200)]
+        decided[n] = np.mean([verdict(*c, n=n)[0] == 'reproduces' for c in cis])
+    assert decided[4] < 0.5 < decided[max(k, 40)], decided
+
+
+def test_three_same_sign_seeds_are_no_ci_that_excludes_0():
+    # disjoint minus free routing, per seed: all three below 0, yet the paired CI holds 0
+    word, why = verdict(*mean_ci([-0.0059, -0.0080, -0.0024]), sign=-1, n=3, spec='+.4f')
+    assert word == 'inconclusive' and 'CI [-0.0125, +0.0016]' in why
+    assert verdict(*mean_ci([-0.01]), sign=-1)[0] == 'inconclusive'  # one seed: no CI at all
+
+
+def test_an_equivalence_claim_is_judged_against_its_stated_margin():
+    assert verdict(0.001, -0.004, 0.006, margin=0.01)[0] == 'reproduces'
+    assert verdict(0.042, 0.025, 0.060, margin=0.01)[0] == 'does not reproduce'
+    word, why = verdict(0.042, -0.017, 0.100, margin=0.02, n=3)
+    assert word == 'inconclusive' and 'crosses the equivalence margin ±0.020' in why
+    with pytest.raises(AssertionError):
+        verdict(0.0, -0.1, 0.1, margin=0)
+
+
+def test_a_bootstrap_over_correlated_groups_is_wider_than_one_over_their_runs():
+    # 8 groups of 10 runs sharing a group effect: the unit of independence is the group
+    rng = np.random.default_rng(1)
+    groups = [list(g + 0.1 * rng.standard_normal(10)) for g in rng.standard_normal(8)]
+    pooled = lambda gs: float(np.mean([x for g in gs for x in g]))  # noqa: E731
+    by_group, by_run = bootstrap_ci(groups, pooled), bootstrap_ci([[x] for g in groups for x in g], pooled)
+    assert by_group[0] == pytest.approx(by_run[0])
+    assert by_group[2] - by_group[1] > 2 * (by_run[2] - by_run[1])
+
+
+def report_block(name):
+    """The lines of assets/NAME.md's "### Verdicts" block, as the report states them."""
+    lines = (REPO / 'assets' / f'{name}.md').read_text(encoding='utf-8').splitlines()
+    i = lines.index('### Verdicts') + 2
+    j = next((k for k in range(i, len(lines)) if not lines[k].startswith('- ')), len(lines))
+    return lines[i:j]
+
+
+@pytest.mark.parametrize('name', ['moe', 'moe_4x2', 'moe_causal'])
+def test_looped_moe_verdicts_are_the_rules_on_the_reports_per_seed_records(name):
+    # each report's .json holds every run's moe_eval.json: the verdicts recomputed from them by the rule
+    import moe
+    from reports import verdict_block
+    runs = json.loads((REPO / 'assets' / f'{name}.json').read_text(encoding='utf-8'))
+    ev = {arm: {r['seed']: r['moe_eval'] for r in rs if r.get('moe_eval')} for arm, rs in runs.items()}
+    assert [line for line in verdict_block(moe.verdicts(ev)) if line.startswith('- ')] == report_block(name)
+
+
+def test_deeploop_verdicts_are_the_rules_on_the_committed_runs(tmp_path):
+    # assets/runs/deeploop holds every run's metrics: rebuilding the report gives its Verdicts block
+    import subprocess
+    import sys
+    if not (REPO / 'data' / 'shakespeare_char' / 'meta.json').is_file():
+        pytest.skip("the unigram floor needs data/shakespeare_char (python prepare.py shakespeare_char)")
+    subprocess.run([sys.executable, 'lab/ablate.py', 'deeploop', '--report_only', '--seeds=1,2,3',
+                    '--out', 'assets/runs/deeploop', '--report_dir', str(tmp_path)], cwd=REPO, check=True,
+                   capture_output=True)
+    rebuilt = (tmp_path / 'deeploop.md').read_text(encoding='utf-8').splitlines()
+    i = rebuilt.index('### Verdicts') + 2
+    assert rebuilt[i:i + len(report_block('deeploop'))] == report_block('deeploop')

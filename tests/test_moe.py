@@ -619,3 +619,14 @@ def test_the_committed_moe_report_is_its_generator_applied_to_the_committed_reco
     ablate.main(['moe', '--report_only', f'--out={runs}', f'--report_dir={tmp_path}'])
     assert (tmp_path / 'moe.md').read_text(encoding='utf-8') == committed('moe.md')
     assert json.loads((tmp_path / 'moe.json').read_text()) == records
+
+
+def test_forcing_the_loops_apart_is_judged_by_a_ci_over_seeds_not_by_a_count_of_signs():
+    import moe
+    ev = lambda forced: {'looped_moe': {s: {'boundary_ce': [2.0, 1.9]} for s in (1, 2, 3)},  # noqa: E731
+                         'looped_moe_disjoint': {s: {'boundary_ce': [2.0, 1.9 + d]}
+                                                 for s, d in zip((1, 2, 3), forced)}}
+    # below free routing in every seed, yet spread as the committed causal runs are: no CI excludes 0
+    assert moe.forced_verdict(ev([-0.0059, -0.0080, -0.0024]))[0] == 'inconclusive'
+    assert moe.forced_verdict(ev([-0.0050, -0.0052, -0.0048]))[0] == 'reproduces'
+    assert moe.forced_verdict(ev([+0.0050, +0.0052, +0.0048]))[0] == 'does not reproduce'
