@@ -123,7 +123,7 @@ ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device
 # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 has float32's range
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 torch.manual_seed(seed + rank)  # dropout differs between ranks; DDP broadcasts rank 0's weights
-data_seed = seed + 1000 * (rank + 1)  # this rank's data: training batches, and eval batches after it
+data_seed = seed + 1000 * (rank + 1)  # this rank's training batches (its eval batches: estimate_loss)
 if master_process:
     threads = f", {torch.get_num_threads()} threads" if device_type == 'cpu' else ''
     print(f"device: {device}{threads}, {dtype}{dtype_note}, {world_size} process(es); "
@@ -209,12 +209,12 @@ t_start = time.time()  # the metrics' 'time': seconds since training began
 @torch.no_grad()
 def estimate_loss():
     """CE at every exit and mean ||h_k|| per loop on eval_iters batches of each split, averaged
-    over the ranks. Each rank draws its batches from a generator seeded the same way at every eval,
-    so that successive evals see the same data, and training's own data stream is left alone."""
+    over the ranks. Each rank's batches come from a generator seeded alike at every eval and for every
+    seed (one fixed validation set for all arms and seeds); training's data stream is left alone."""
     out = {}
     raw_model.eval()
     for i, split in enumerate(('train', 'val')):
-        gen = torch.Generator().manual_seed(data_seed + 1 + i)
+        gen = torch.Generator().manual_seed(1000 * (rank + 1) + 1 + i)  # not `seed`'s
         stats = torch.zeros(2, raw_model.config.n_loop, device=device)  # CE, ||h_k|| per loop
         moe = torch.zeros(2, device=device)  # Looped-MoE's balance and z-loss terms (§5), if any
         for _ in range(eval_iters):

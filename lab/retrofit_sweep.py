@@ -210,11 +210,12 @@ def claims(by, loops):
         out.append((key, word, len(diffs), why))
     for R in loops:
         rf = by.get(f'retrofit_R{R}', [])
-        claim(f'retrofit_vs_scratch_R{R}', paired(rf, by.get(f'scratch_R{R}', [])))
-        claim(f'retrofit_vs_unique_more_R{R}', paired(rf, by.get(f'unique_more_R{R}', [])))
+        # retrofit_R minus scratch_R, minus unique_more_R; CE at exit R minus exit 1, exit 2R minus exit R
+        claim(f'beats scratch at equal total FLOPs, R = {R}', paired(rf, by.get(f'scratch_R{R}', [])))
+        claim(f'beats the unique model trained on, R = {R}', paired(rf, by.get(f'unique_more_R{R}', [])))
         per_seed = lambda k, j: [r['val_ce'][k - 1] - r['val_ce'][j - 1] for r in rf]
-        claim(f'retrofit_more_loops_R{R}', per_seed(R, 1))
-        claim(f'retrofit_past_trained_R{R}', per_seed(2 * R, R))
+        claim(f'gains from more test-time loops, R = {R}', per_seed(R, 1))
+        claim(f'gains past the trained R, R = {R}', per_seed(2 * R, R))
     return out
 
 

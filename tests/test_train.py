@@ -379,3 +379,18 @@ def test_a_train_py_process_counts_denormals_as_zero(tmp_path, can_flush):
                        timeout=120, env=cli_env())
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[-1] == 'after train.py: 1e-20 ** 2 = 0.0', r.stdout[-2000:]
+
+
+def test_every_seed_is_scored_on_one_fixed_validation_set(tmp_path):
+    # a seed varies the init and the data order, never the eval batches: the same weights evaluated
+    # under two seeds give the same CE at every exit, train and val
+    write_data(tmp_path)
+    code, out, err = run_train([*TINY, '--max_iters=2', '--eval_interval=2', '--out_dir=out'], tmp_path)
+    assert code == 0, err
+    scores = []
+    for seed in (1, 2):
+        args = ['--init_from=resume', '--out_dir=out', '--eval_only=True', f'--seed={seed}']
+        code, out, err = run_train(args, tmp_path)
+        assert code == 0, err
+        scores.append([line for line in out.splitlines() if 'CE' in line])
+    assert scores[0] == scores[1] and len(scores[0]) == 2
