@@ -36,6 +36,9 @@ The sweep trains such a table here, through lab/ablate.py's runners (local, or -
     python lab/isodepth.py --case=truncated          # backprop through the last ceil(r/2) loops
     python lab/isodepth.py --case=hyper              # 2-lane hyper-connections (r = 1 shared)
     python lab/isodepth.py --preset=gpu --dry_run    # the paper's grid and its GPU-hours
+    python lab/isodepth.py --case=baseline,truncated --seeds=1,2,3,4 --dry_run   # delta phi on 4 seeds a cell
+    python lab/isodepth.py --grouped                 # refit the report's CSVs by (budget, width) groups:
+                                                     # phi's CI, phi = 0 / 1, delta phi on matched runs
     python lab/isodepth.py --report_only             # refit the finished runs, training none (with the
                                                      # runs the report's CSVs recorded, when their folders
                                                      # are not here)
@@ -64,6 +67,7 @@ from ablate import (arm, code_version, dry_run, estimate, meta_model, repo_path,
 from errors import Parser, die
 from accounting import param_counts
 from reports import finish_plot, fmt, plt_or_none, read_json, read_metrics, read_status, save
+from verdict import verdict, weakest
 
 COLUMNS = ('n_once', 'n_rec', 'r', 'tokens', 'loss')
 HUBER_DELTA = 1e-3
@@ -387,6 +391,150 @@ def delta_phi(base, case, starts=500, resamples=200, boot_starts=20, seed=0):
                 degenerate_resamples=degenerate, delta_boot=[round(float(d), 4) for d in deltas])
 
 # -----------------------------------------------------------------------------
+# the grouped analysis: the runs of one (budget, width) share their width's recipe and their residuals
+# correlate (docs/isodepth.md), so the resampling unit is the (budget, width) group, not the run or the cell
+
+def read_table(path):
+    """A report's CSV (write_csv's columns) as float arrays, budget, width and seed included."""
+    if not os.path.isfile(path):
+        die(f"{path}: no such file (lab/isodepth.py --report_only writes it)")
+    with open(path, newline='', encoding='utf-8') as f:
+        rows = list(csv.DictReader(f))
+    return {c: np.array([float(row[c]) for row in rows]) for c in (*COLUMNS, 'budget', 'width', 'seed')}
+
+
+def matched(base, case):
+    """Row indices (base, case) of the runs both tables hold at the same budget, r, width and seed, and the
+    (budget, width) group of each matched pair."""
+    def key(t, i):
+        return round(math.log(t['budget'][i]), 2), t['r'][i], t['width'][i], t['seed'][i]
+    at = {key(case, i): i for i in range(len(case['r']))}
+    pairs = [(i, at[key(base, i)]) for i in range(len(base['r'])) if key(base, i) in at]
+    ib, ic = (np.array(v, int) for v in zip(*pairs))
+    group = [(round(math.log(base['budget'][i]), 2), base['width'][i]) for i in ib]
+    return ib, ic, np.unique(group, axis=0, return_inverse=True)[1].ravel()
+
+
+def logs_of(t, idx):
+    return np.log(np.stack([t[c][idx] for c in COLUMNS]))  # log n_once, n_rec, r, tokens, L
+
+
+def grouped_delta_phi(base, case, starts, resamples, boot_starts, seed=0):
+    """phi(case) - phi(baseline), both fitted to the runs they hold at the same budget, r, width and seed,
+    and its 95 % CI by a paired bootstrap over those runs' (budget, width) groups: every draw refits both
+    tables to the same groups."""
+    ib, ic, g = matched(base, case)
+    xs = [logs_of(base, ib), logs_of(case, ic)]
+    rng = np.random.default_rng([seed, 3])
+    point = [fit_once(x[:4], x[4], random_starts(rng, starts), BOX)[0] for x in xs]
+    rows = [np.flatnonzero(g == k) for k in range(g.max() + 1)]
+    deltas = []
+    for _ in range(resamples):
+        take = np.concatenate([rows[k] for k in rng.integers(len(rows), size=len(rows))])
+        phis = [fit_once(x[:4, take], x[4, take], [theta, *random_starts(rng, boot_starts)], BOX)[0][-1]
+                for x, theta in zip(xs, point)]
+        deltas.append(phis[1] - phis[0])
+    lo, hi = (float(v) for v in np.percentile(deltas, [2.5, 97.5]))
+    return dict(delta_phi=float(point[1][-1] - point[0][-1]), ci=[lo, hi], n_runs=len(ib), n_groups=len(rows),
+                baseline_phi=float(point[0][-1]), case_phi=float(point[1][-1]))
+
+
+def grouped_phi(t, starts, resamples, boot_starts, seed=0):
+    """phi of one table with its 95 % CI by a bootstrap over the (budget, width) groups, and the p of
+    phi = 0 and phi = 1 by a wild bootstrap over the groups: tables drawn from the phi-fixed fit plus the
+    free fit's log residuals, each group's flipped in sign together (Rademacher), so that the residuals
+    of a group stay as correlated as they are; each draw refitted both ways."""
+    x = logs_of(t, np.arange(len(t['r'])))
+    g = np.unique(np.stack([groups(t['budget']), t['width']]), axis=1, return_inverse=True)[1].ravel()
+    rows = [np.flatnonzero(g == k) for k in range(g.max() + 1)]
+    rng = np.random.default_rng([seed, 4])
+    fitted = {phi: fit_once(x[:4], x[4], random_starts(rng, starts, phi), bounds_at(phi))
+              for phi in (None, 0.0, 1.0)}
+    free = fitted[None][0]
+    boot = []
+    for _ in range(resamples):
+        take = np.concatenate([rows[k] for k in rng.integers(len(rows), size=len(rows))])
+        boot.append(fit_once(x[:4, take], x[4, take], [free, *random_starts(rng, boot_starts)], BOX)[0][-1])
+    out = dict(phi=float(free[-1]), ci=[float(v) for v in np.percentile(boot, [2.5, 97.5])], n_runs=len(g),
+               n_groups=len(rows))
+    noise = x[4] - predict(free, *x[:4])[0]
+    for phi in (0.0, 1.0):
+        null, observed = fitted[phi][0], fitted[phi][1] - fitted[None][1]
+        pred, hits = predict(null, *x[:4])[0], 0
+        for _ in range(resamples):
+            y = pred + noise * rng.choice([-1.0, 1.0], size=len(rows))[g]
+            t0, h0 = fit_once(x[:4], y, [null, *random_starts(rng, TEST_STARTS, phi)], bounds_at(phi))
+            _, h1 = fit_once(x[:4], y, [free, t0, *random_starts(rng, TEST_STARTS)], BOX)
+            hits += int(h0 - h1 >= observed)
+        out[f'p_phi{phi:g}'] = (hits + 1) / (resamples + 1)  # the observed table is one draw: p is never 0
+    return out
+
+
+GROUP_UNIT = '(budget, width) groups'
+
+
+def grouped_verdicts(res):
+    """[(key, word, why)] of the grouped analysis, each from the one rule (lab/verdict.py)."""
+    base, out = res['baseline'], []
+    lo, hi = base['ci']
+    n = base['n_groups']
+    ends = [verdict(base['phi'], lo, hi, n=n, unit=GROUP_UNIT),                    # phi > 0
+            verdict(1 - base['phi'], 1 - hi, 1 - lo, n=n, unit=GROUP_UNIT)]        # phi < 1
+    out.append((CLAIMS['baseline'], weakest([w for w, _ in ends]),
+                f"phi {base['phi']:.3f} over {base['n_runs']} runs; above 0: {ends[0][1]}; 1 - phi above 0: "
+                f"{ends[1][1]}; wild bootstrap over the groups: p {base['p_phi0']:.2g} for phi = 0, "
+                f"{base['p_phi1']:.2g} for phi = 1"))
+    word, why = verdict(base['phi'], lo, hi, paper=PAPER_PHI['baseline'], n=n, unit=GROUP_UNIT)
+    out.append(("phi at the paper's size", word, f"the paper's phi {PAPER_PHI['baseline']}: {why}"))
+    for case, sign in (('truncated', -1), ('hyper', +1)):
+        d = res[case]
+        paper = PAPER_PHI[case] - PAPER_SUBSET_PHI  # the paper's delta phi, from its subset baseline
+        word, why = verdict(d['delta_phi'], *d['ci'], paper=paper, sign=sign, n=d['n_groups'],
+                            unit=GROUP_UNIT)
+        out.append((CLAIMS[case], word, f"delta phi on {d['n_runs']} matched runs (same budget, r, width, "
+                    f"seed); phi {d['baseline_phi']:.3f} baseline, {d['case_phi']:.3f} {case}: {why}"))
+    return out
+
+
+def grouped(args):
+    """--grouped: refit the report's CSVs by (budget, width) groups; <report_dir>/isodepth_grouped.md."""
+    tables = {c: read_table(os.path.join(args.report_dir, f'isodepth_{c}.csv')) for c in CASES}
+    res = dict(baseline=grouped_phi(tables['baseline'], args.starts, args.resamples, args.boot_starts,
+                                    args.seed))
+    for case in ('truncated', 'hyper'):
+        res[case] = grouped_delta_phi(tables['baseline'], tables[case], args.starts, args.resamples,
+                                      args.boot_starts, args.seed)
+    b = res['baseline']
+    lines = ["## The iso-depth law, resampled by (budget, width) groups", "",
+             f"`{args.command}`: the runs of {args.report_dir}/isodepth_<case>.csv refitted, {args.starts} "
+             "random starts "
+             f"a fit, {args.resamples} resamples, {args.boot_starts} random starts a refit besides the fit's "
+             "optimum. The runs of one (budget, width) group share their residuals' sign (docs/isodepth.md), "
+             "so they are resampled together; the case studies are compared on the runs both tables hold at "
+             "the same budget, r, width and seed.", "",
+             "| case | runs | groups | phi | 95 % CI | p, phi = 0 (wild, groups) | "
+             "p, phi = 1 (wild, groups) |",
+             "|---|---|---|---|---|---|---|",
+             f"| baseline | {b['n_runs']} | {b['n_groups']} | {b['phi']:.3f} | "
+             f"[{b['ci'][0]:.3f}, {b['ci'][1]:.3f}] | {b['p_phi0']:.2g} | {b['p_phi1']:.2g} |", "",
+             "| case | matched runs | groups | phi, baseline | phi, case | delta phi | 95 % CI | paper |",
+             "|---|---|---|---|---|---|---|---|"]
+    for case in ('truncated', 'hyper'):
+        d = res[case]
+        lines.append(f"| {case} | {d['n_runs']} | {d['n_groups']} | {d['baseline_phi']:.3f} | "
+                     f"{d['case_phi']:.3f} | {d['delta_phi']:+.3f} | "
+                     f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] | {PAPER_PHI[case] - PAPER_SUBSET_PHI:+.3f} |")
+    lines += ["", "### Verdicts", ""] + [f"- {key}: {word} (1 seed); {why}"
+                                         for key, word, why in grouped_verdicts(res)]
+    path = os.path.join(args.report_dir, 'isodepth_grouped.md')
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write('\n'.join(lines) + '\n')
+    with open(os.path.join(args.report_dir, 'isodepth_grouped.json'), 'w', encoding='utf-8') as f:
+        json.dump(res, f, indent=1)
+    print(f"report: {path}")
+    return res
+
+# -----------------------------------------------------------------------------
 # the sweep: the iso-depth grid, trained through lab/ablate.py's runners
 
 CASES = ('baseline', 'truncated', 'hyper')  # the paper's model and its two case studies (docs/papers.md §3)
@@ -485,7 +633,8 @@ def plan_sweep(sw, args, cases=CASES):
             for r in args.rs:
                 a = case_arm(case, width, budget, r, sw)
                 noise_seed = (width, budget, r) in noisy and case == 'baseline'  # the noise of one case
-                for seed in [sw['seeds'][0]] + ([sw['seeds'][1]] if noise_seed else []):
+                # --seeds: every cell at every seed given (a case study settled on its cells, not one seed)
+                for seed in args.seeds or [sw['seeds'][0]] + ([sw['seeds'][1]] if noise_seed else []):
                     name = f"{a['name']}-s{seed}"
                     if name not in jobs:
                         jobs[name] = dict(name=name, arm=a, seed=seed, out_dir=os.path.join(args.out, name))
@@ -969,10 +1118,16 @@ def parser():
     ap.add_argument('--widths', default='', help="comma-separated, replacing the preset's")
     ap.add_argument('--budgets', default='', help="FLOP budgets, comma-separated, replacing the preset's")
     ap.add_argument('--rs', default='', help="recurrence counts, comma-separated, replacing the preset's")
+    ap.add_argument('--seeds', default='',
+                    help="train every cell at each of these seeds (comma-separated), not the preset's one "
+                         "seed a cell and a second on its noise cells")
     ap.add_argument('--base', action='append', default=[], help="config file(s) replacing the preset's base")
     ap.add_argument('--out', default=None, help='runs go to <out>/<run>; default out-isodepth-<preset>')
     ap.add_argument('--report_dir', default=None, help='default: assets/ for the laptop preset, else <out>')
     ap.add_argument('--report_only', action='store_true', help='fit the finished runs only, training none')
+    ap.add_argument('--grouped', action='store_true',
+                    help="refit <report_dir>/isodepth_<case>.csv resampling (budget, width) groups: phi's "
+                         "CI, the tests of phi = 0 and 1, delta phi on matched runs -> isodepth_grouped.md")
     runner_flags(ap)
     ap.add_argument('--starts', type=int, default=500, help='random starts of each fit')
     ap.add_argument('--resamples', type=int, default=200, help='bootstrap resamples of the cells')
@@ -1006,6 +1161,7 @@ def sweep_args(args, overrides, argv):
         if c not in CASES:
             die(f"--case={c}: choose one of {', '.join(CASES)}, or all")
     args.widths, args.rs = numbers('widths', args.widths, int), numbers('rs', args.rs, int)
+    args.seeds = numbers('seeds', args.seeds, int)
     args.budgets = numbers('budgets', args.budgets, float)
     args.out = args.out or f'out-isodepth-{args.preset}'
     args.report_dir = args.report_dir or ('assets' if args.preset == 'laptop' and not args.base else args.out)
@@ -1026,6 +1182,8 @@ def main(argv=None):
         die(f"--boot_starts={args.boot_starts}: must be >= 0")
     if args.fit or not args.dry_run:
         scipy_optimize()  # the fit needs it: stop now, not after the sweep's training
+    if args.grouped:
+        return grouped(sweep_args(args, overrides, argv))
     if not args.fit:
         return sweep(sweep_args(args, overrides, argv))
     if overrides:

@@ -720,3 +720,21 @@ def test_deeploop_verdicts_are_the_rules_on_the_committed_runs(tmp_path):
     rebuilt = (tmp_path / 'deeploop.md').read_text(encoding='utf-8').splitlines()
     i = rebuilt.index('### Verdicts') + 2
     assert rebuilt[i:i + len(report_block('deeploop'))] == report_block('deeploop')
+
+
+def test_a_difference_of_stuck_shares_has_a_ci_that_stays_in_bounds_and_decides_only_with_enough_runs():
+    from verdict import shares_ci, weakest
+    d, lo, hi = shares_ci(3, 36, 0, 36)   # the DeepLoop trainability count: 3 of 36 against none
+    assert d == pytest.approx(3 / 36) and lo < 0 < hi and -1 <= lo and hi <= 1
+    assert shares_ci(24, 36, 0, 36)[1] > 0
+    assert weakest(['reproduces', 'inconclusive', 'direction only']) == 'inconclusive'
+    assert weakest(['reproduces', 'does not reproduce']) == 'does not reproduce'
+    assert weakest([]) == 'not tested'
+
+
+def test_iso_depth_verdicts_are_the_rules_on_the_grouped_reports_fits():
+    # assets/isodepth_grouped.json holds the grouped fits: the report's block is the rule's on them
+    import isodepth
+    res = json.loads((REPO / 'assets' / 'isodepth_grouped.json').read_text(encoding='utf-8'))
+    lines = [f"- {key}: {word} (1 seed); {why}" for key, word, why in isodepth.grouped_verdicts(res)]
+    assert lines == report_block('isodepth_grouped')

@@ -717,3 +717,46 @@ def test_the_gpu_checks_iso_step_plans_a_reduced_grid_of_the_papers_model(repo_d
     out = capsys.readouterr().out
     assert 'gpu: 28 runs of case(s) baseline' in out and out.count('--compile=False') == 28
     assert '--n_embd=384 --n_head=3 --n_prelude=2 --n_layer=2 --n_loop=8 --n_coda=2' in out
+
+
+def table(rows):
+    """A report table (read_table's arrays) from (budget, r, width, seed, loss) rows."""
+    cols = dict(budget=[], r=[], width=[], seed=[], loss=[])
+    for row in rows:
+        for c, v in zip(cols, row):
+            cols[c].append(float(v))
+    t = {c: np.array(v) for c, v in cols.items()}
+    t.update(n_once=100 * t['width'], n_rec=1000 * t['width'] / t['r'], tokens=t['budget'] / t['width'])
+    return t
+
+
+def test_case_studies_are_compared_on_runs_matched_in_budget_r_width_and_seed_only():
+    base = table([(1e9, 1, 8, 1, 2.0), (1e9, 2, 8, 1, 2.1), (1e9, 2, 8, 2, 2.2), (1e9, 1, 64, 1, 2.3),
+                  (4e9, 1, 8, 1, 1.9)])
+    case = table([(1e9, 2, 8, 1, 2.0), (1e9, 1, 8, 1, 2.0), (4e9, 1, 8, 1, 1.8), (1e9, 4, 8, 1, 2.5)])
+    ib, ic, g = isodepth.matched(base, case)
+    # the second seed and the extra width of the baseline, and the case's r = 4, have no partner
+    assert sorted(zip(ib, ic)) == [(0, 1), (1, 0), (4, 2)]
+    assert len(set(g)) == 2 and g[list(ib).index(0)] == g[list(ib).index(1)]  # (1e9, 8) vs (4e9, 8)
+
+
+def test_the_grouped_verdicts_are_the_rules_on_the_grouped_cis():
+    res = dict(baseline=dict(phi=0.76, ci=[0.69, 0.79], n_runs=92, n_groups=21, p_phi0=0.005, p_phi1=0.005),
+               truncated=dict(delta_phi=-0.006, ci=[-0.11, 0.08], n_runs=61, n_groups=21, baseline_phi=0.70,
+                              case_phi=0.69),
+               hyper=dict(delta_phi=0.050, ci=[-0.11, 0.17], n_runs=61, n_groups=21, baseline_phi=0.70,
+                          case_phi=0.75))
+    got = {key: word for key, word, _ in isodepth.grouped_verdicts(res)}
+    assert got[isodepth.CLAIMS['baseline']] == 'reproduces'           # inside (0, 1)
+    assert got["phi at the paper's size"] == 'direction only'         # above 0, not the paper's 0.459
+    assert got[isodepth.CLAIMS['truncated']] == 'inconclusive'        # holds 0 and the paper's -0.073
+    assert got[isodepth.CLAIMS['hyper']] == 'does not reproduce'      # holds 0, excludes the paper's +0.193
+    res['baseline']['ci'] = [0.69, 1.05]
+    assert {k: w for k, w, _ in isodepth.grouped_verdicts(res)}[isodepth.CLAIMS['baseline']] == 'inconclusive'
+
+
+def test_seeds_train_every_cell_at_each_seed_for_the_cases_asked(capsys):
+    isodepth.main(['--case=baseline,truncated', '--seeds=1,2,3,4', '--dry_run'])
+    out = capsys.readouterr().out
+    # 12 (budget, width) pairs x 4 r for the baseline, x 3 r > 1 for truncated (r = 1 shared), x 4 seeds
+    assert 'total: 336 CPU runs' in out and 'truncated-d48-b2.25e+12-r8-s4' in out
