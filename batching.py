@@ -4,7 +4,7 @@ tokens at *different* loops can go through the *same* block call. Every call adv
 a row whose token exits is read out, samples, and starts its next token at loop 1 in the next call, while
 the others go on. A row is a request: when it has its tokens, the next prompt takes its place.
 
-    outs, used, stats = serve(model, prompts, 200, batch_size=8, exit_threshold=0.9, temperature=0)
+    outs, used, stats = serve(model, prompts, 200, Decoding(batch_size=8, exit_threshold=0.9, temperature=0))
 
 Each row attends to the cache slots of its own (loop, layer) visit at its own position: RowSlot gathers
 them per row and masks the positions past the row's own. A token that exits at loop k leaves in the slots
@@ -15,28 +15,13 @@ past the block size and the first token after them run all R loops, as engine.ge
 engine.decode_step: the cache holds up to 2B rows, so the next B prompts take that pass together and
 wait, passed, for rows to free (not one prompt a pass, each time a row frees).
 """
+from dataclasses import replace
+
 import torch
 
 import exits
-from engine import KVCache, decode_step, pick
+from engine import Decoding, KVCache, decode_step, pick
 
-
-def refusal(cfg, kv_policy, draft_loops=0):
-    """Why depth batching cannot run this model or these options (one line, in sample.py's flags), or
-    None. One call serves rows at other loops, so a model whose loop k is more than the slots it reads
-    cannot be served this way."""
-    if draft_loops:
-        return "--draft_loops verifies a batch of rows in step: drop it or use --batch_size=1"
-    why = ("hyper-connections carry lanes per loop" if cfg.hyper_lanes else
-           "injection='iso' acts before loop 1 too" if cfg.injection == 'iso' else
-           "tied routing reads loop 1's experts in the same pass" if cfg.tied_routing else
-           "disjoint routing gives each loop its own experts" if cfg.disjoint_routing else None)
-    if why:
-        return f"--batch_size > 1 runs rows at different loops in one call, and {why}: use --batch_size=1"
-    if kv_policy == 'active':
-        return ("--kv_policy=active masks visits per history, one row at a time: use --batch_size=1 or "
-                "another kv_policy")
-    return None
 
 # -----------------------------------------------------------------------------
 # the cache, seen by rows at their own loops and positions
@@ -168,24 +153,25 @@ class Requests:
 
 
 @torch.no_grad()
-def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=None, n_loop=None,
-          exit_threshold=None, exit_policy='maxprob', kv_policy='recompute', kv_slots=None):
-    """Decode max_new_tokens after each prompt (lists of token ids), batch_size rows in flight, with
-    continuous depth batching. Returns the token lists (prompt and new tokens) in prompt order, the loops
-    each new token used, and counts: calls (of the loop's blocks), refills (windows that slid), passes
-    (prompt passes), full (the share of the calls' B places that held a row: below 1 in the tail)."""
+def serve(model, prompts, max_new_tokens, opts=Decoding()):
+    """Decode max_new_tokens after each prompt (lists of token ids) as opts say, opts.batch_size rows in
+    flight, with continuous depth batching. Returns the token lists (prompt and new tokens) in prompt
+    order, the loops each new token used, and counts: calls (of the loop's blocks), refills (windows that
+    slid), passes (prompt passes), full (the share of the calls' B places that held a row)."""
     cfg, device = model.config, model.lm_head.weight.device
-    R = cfg.n_loop if n_loop is None else n_loop
-    why = refusal(cfg, kv_policy)
+    R, exit_policy = opts.n_loop or cfg.n_loop, opts.exit_policy
+    temperature, top_k = opts.temperature, opts.top_k
+    why = replace(opts, batch_size=2).why_not(cfg, loose=True)  # one row in flight runs at its own loop
     assert why is None, why
     if max_new_tokens == 0:
         return [list(p) for p in prompts], [[] for _ in prompts], dict(calls=0, refills=0, passes=0, full=0.0)
-    threshold = None if exit_threshold is None else exits.score_threshold(exit_policy, exit_threshold)
-    B = max(1, min(batch_size, len(prompts)))
+    t = opts.exit_threshold
+    threshold = None if t is None else exits.score_threshold(exit_policy, t)
+    B = max(1, min(opts.batch_size, len(prompts)))
     # the cache holds up to 2B rows: B in flight and up to B more whose prompt pass is done, so that the
     # prompts go through their pass B at a time (as engine.generate's batches do), not one by one
     N = max(B, min(2 * B, len(prompts)))
-    cache = KVCache(model, N, R, device, model.lm_head.weight.dtype, kv_policy, kv_slots)
+    cache = KVCache(model, N, R, device, model.lm_head.weight.dtype, opts.kv_policy, opts.kv_slots)
     req, calls, passes, ran = Requests(prompts, N, max_new_tokens, cfg.block_size), 0, 0, 0
     # the B places in flight, each a cache row with its token in flight: the state is indexed by place,
     # so that a full batch runs a call without gathering it
