@@ -103,13 +103,13 @@ def test_the_learned_gate_exits_as_at_batch_1():
 
 def test_rows_at_different_loops_share_one_block_call(monkeypatch):
     m, ps, seen = tiny(), prompts(), []
-    loops = m.loops
+    loops = m.round
 
     def spy(x, e, ks, cache=None, pos=0):
         if getattr(cache, 'loops', None) is not None:  # a call of serve: each row at its own loop
             seen.append(cache.loops.clone())
         return loops(x, e, ks, cache, pos)
-    monkeypatch.setattr(m, 'loops', spy)
+    monkeypatch.setattr(m, 'round', spy)
     outs, used, stats = serve(m, ps, 12, Decoding(batch_size=3, temperature=0, exit_threshold=1e-3,
                                                   exit_policy='kl'))
     assert stats['calls'] == len(seen)
