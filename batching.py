@@ -1,19 +1,15 @@
 """
 Continuous depth batching (Schwethelm et al. 2026; docs/decoding.md): the loop's weights are shared, so
-tokens at *different* loops can go through the *same* block call. Every call advances each row one loop;
-a row whose token exits is read out, samples, and starts its next token at loop 1 in the next call, while
-the others go on. A row is a request: when it has its tokens, the next prompt takes its place.
+tokens at *different* loops can go through the *same* block call. Every call (step) advances each place
+one loop; a row whose token exits samples and starts its next token at loop 1 the next call. A row is a
+request: when it has its tokens, the next prompt takes its place (scheduling: Requests, prompt_pass).
 
     outs, used, stats = serve(model, prompts, 200, Decoding(batch_size=8, exit_threshold=0.9, temperature=0))
 
-Each row attends to the cache slots of its own (loop, layer) visit at its own position: RowSlot gathers
-them per row and masks the positions past the row's own. A token that exits at loop k leaves in the slots
-of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1), written with the next call's
-exits (a skipped slot is first read two calls on). The state of the B rows in flight is indexed by their
-place in the batch, so that a full batch needs no gather of it. A prompt's prefill, a window that slides
-past the block size and the first token after them run all R loops, as engine.generate does, through
-engine.decode_step: the cache holds up to 2B rows, so the next B prompts take that pass together and
-wait, passed, for rows to free (not one prompt a pass, each time a row frees).
+Each row attends to the slots of its own (loop, layer) visit at its own position (RowSlot). An exit at loop
+k leaves in the slots of loops k+1..R what kv_policy says, written with the next call's exits (a skipped
+slot is first read two calls on). Prompt passes and slid windows run all R loops (engine.decode_step), B
+rows at a time: the cache holds up to 2B rows, passed ones waiting for a place.
 """
 from dataclasses import replace
 
@@ -27,9 +23,8 @@ from engine import Decoding, KVCache, decode_step, pick
 # the cache, seen by rows at their own loops and positions
 
 class RowSlot:
-    """One part's keys and values seen by some rows, each at its own visit: k and v flattened to
-    (visits x rows, nh, T, hs), and idx (B',) the entry each row reads and writes. index_select on the
-    first dimension gathers far faster than an index over two dimensions (plane, row)."""
+    """One part's keys and values, k and v flattened to (visits x rows, nh, T, hs), seen by rows each at its
+    own visit: idx (B',) the entry each reads and writes (index_select on one dimension gathers fastest)."""
 
     def __init__(self, k, v, idx):
         self.k, self.v, self.idx = k.flatten(0, -4), v.flatten(0, -4), idx
@@ -71,7 +66,7 @@ class RowView:
         return RowSlot(c.loop_k, c.loop_v, entry + j * self.B)
 
 # -----------------------------------------------------------------------------
-# one call: every row one loop
+# one call: every place one loop (step), a function of tensors
 
 def readout(model, h, ks, view, pos):
     """z_k and the logits (B', V) of rows at exits ks (B',): the coda and the readout norm, which
@@ -98,10 +93,8 @@ def score(model, policy, z, logits, prev, first):
 
 
 def fill_skipped(model, cache, rows, h, e, ks, pos, R):
-    """Rows `rows` that exit at loops ks < R fill the slots of the loops they skip, as exits.fill_skipped
-    does at batch 1, in one write for every row, skipped loop and layer: the keys and values of
-    carry(h_k, e) (recompute) or of the row's own exit loop (copy, shared). A row may come twice (two
-    tokens' exits, at two positions)."""
+    """Rows `rows` that exit at loops ks < R fill the slots they skip as exits.fill_skipped does at batch 1,
+    in one write for every row, loop and layer (a row may come twice: two tokens' exits, two positions)."""
     # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
     last = min(R, cache.n) if cache.policy == 'shared' else R
     loops = torch.arange(1, last + 1, device=ks.device)
@@ -119,9 +112,6 @@ def fill_skipped(model, cache, rows, h, e, ks, pos, R):
         frm = entry(ks[i])
         for t in (keys, values):
             t[to, :, p] = t[frm, :, p]
-
-# -----------------------------------------------------------------------------
-# one call: every place one loop, a function of tensors
 
 def step(model, cache, f, R, threshold, policy):
     """Every place of flight f one loop (GPT.round), each at its own loop, position and slots, then its
@@ -234,9 +224,8 @@ def fill_pending(model, cache, pending, R):
 
 @torch.no_grad()
 def serve(model, prompts, max_new_tokens, opts=Decoding()):
-    """Decode max_new_tokens after each prompt (lists of token ids) as opts say, opts.batch_size rows in
-    flight, with continuous depth batching. Returns the token lists (prompt and new tokens) in prompt
-    order, the loops each new token used, and counts: calls (of the loop's blocks), refills (windows that
+    """Decode max_new_tokens after each prompt (token lists), opts.batch_size rows in flight: the token lists
+    in prompt order, the loops each new token used, and counts: calls (of the blocks), refills (windows
     slid), passes (prompt passes), full (the share of the calls' B places that held a row)."""
     R, o = opts.n_loop or model.config.n_loop, opts
     why = replace(o, batch_size=2).why_not(model.config, loose=True)  # one row runs at its own loop too
@@ -274,4 +263,4 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
                 back.append((f.at[p], t, q))
         req.ready[:0] = back
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes,
-                                      full=ran / (calls * B) if calls else 0.0)
+                                      full=ran / max(1, B * calls))

@@ -1,11 +1,7 @@
 """
-Decoding a looped GPT, in gpt-fast's order: sampling, the KV cache, one fixed-depth decode step,
-self-speculative decoding, then generate (docs/decoding.md). Early exits (a token that stops before
-loop R, and what it leaves in the cache for the loops it skips) are in exits.py; generate calls it
-when an exit threshold is set.
-
-The model knows nothing of this file: GPT.loops and GPT.untied ask the cache for a visit's slot
-(cache.slot(part, j, k)) and the attention hands it the new keys and values (slot.update).
+Decoding a looped GPT, in gpt-fast's order: the options, sampling, the KV cache, one fixed-depth decode
+step, self-speculative decoding, then generate (docs/decoding.md). Early exits are in exits.py. The model
+knows nothing of this file: it asks the cache for a visit's slot (cache.slot) and hands it k, v (update).
 
     cache = KVCache(model, B, R, device, dtype)
     logits = decode_step(model, idx, cache, pos, R)            # all rows, all R loops
@@ -194,10 +190,8 @@ class KVCache:
 
 @torch.no_grad()
 def decode_step(model, idx, cache, pos, R, last=None):
-    """Tokens idx (B, T) at positions pos..pos+T-1 through the prelude, loops 1..R and the coda, every row,
-    writing their slots: the last position's logits at exit R (B, V), or each row's at its index in last
-    (B,) (rows padded past their own tokens, batching.py). The prompt is one such step at pos 0 (the
-    prefill), each new token one more at its position."""
+    """Tokens idx (B, T) at pos..pos+T-1 through every loop, writing their slots: the logits (B, V) at exit R
+    of the last position, or of each row's in last (B,) (rows padded past their tokens: batching.py)."""
     e = model.prelude(model.embed(idx, pos), cache, pos)
     h = model.loops(e, e, range(1, R + 1), cache, pos).states[-1]
     z = model.coda_readout(h, R, cache, pos)  # the coda sees every position: it writes their slots
@@ -217,25 +211,18 @@ def draft(model, idx, cache, pos, k):
 
 
 def verify(model, state, cache, pos, k, R):
-    """Loops k+1..R and the coda of the T drafted positions pos..pos+T-1 in one pass, from their states
-    (h_k, e) (B, T, C) after loop k: exit R's logits (B, T, V), the numbers fixed-R steps compute, since
-    loops 1..k are the draft's own. The T positions go through the model as one multi-token step (the
-    causal mask puts draft i after drafts 0..i-1), writing their slots of loops k+1..R and of the coda;
-    where decoding reads the weights, T cost about what one does."""
+    """Loops k+1..R and the coda of the T drafted positions pos.. in one multi-token pass from their states
+    (h_k, e) (B, T, C): exit R's logits (B, T, V), fixed-R's numbers (loops 1..k are the draft's own)."""
     h, e = state
     h = model.loops(h, e, range(k + 1, R + 1), cache, pos).states[-1]
     return model.lm_head(model.coda_readout(h, R, cache, pos)).float()
 
 
 def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
-    """One round of self-speculative decoding after idx (B, T), whose last token (at pos) has not run
-    yet: draft gamma tokens with loops 1..k, then verify them with loops k+1..R from the drafted states,
-    all gamma positions in one pass. Returns the 1..gamma tokens (B, n) kept, fixed-R decoding's own
-    (greedy, the same tokens; sampled, the same distribution: accept a draft x with probability
-    min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k), normalised), and the round's counts
-    of drafted, checked and accepted drafts. A batch keeps tokens up to the first position some row
-    rejects (exact for every row). Slots past the kept positions hold drafts: each is rewritten before
-    any query reads it (the next round drafts and verifies from the first position not kept)."""
+    """One round after idx (B, T), its last token (at pos) not run yet: gamma drafts from loops 1..k,
+    verified by loops k+1..R in one pass. Returns the 1..gamma tokens (B, n) kept, fixed-R's own (sampled:
+    accept x with probability min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k)), up to the
+    first position some row rejects, and the counts; slots past them are rewritten before any read."""
     tok, drafts, states = idx[:, -1:], [], []
     for i in range(gamma):
         q_logits, state = draft(model, tok, cache, pos + i, k)
@@ -268,13 +255,10 @@ def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, opts=Decoding()):
-    """Sample max_new_tokens after idx (B, T) as opts say (Decoding). Returns idx with them, the loops each
-    new token used (B, new), and counts: refills (the window slid), drafted, checked and accepted drafts.
-    Every token runs n_loop loops; with exit_threshold (exits.py) it stops at the first loop whose score
-    reaches it, and kv_policy says what it leaves in the slots it skips; the prompt and the first new
-    token run all loops. draft_loops=k: self-speculative decoding, fixed-R decoding exactly. Past the
-    block size the window slides to its last half and the cache is refilled from it, as the uncached
-    path crops (docs/decoding.md: O(1) per token)."""
+    """Sample max_new_tokens after idx (B, T) as opts say. Returns idx with them, the loops each new token
+    used (B, new), and counts: refills (the window slid), drafted, checked, accepted drafts. The prompt and
+    the first new token run all loops. Past the block size the window slides to its last half and the
+    cache is refilled from it, as the uncached path crops (docs/decoding.md: O(1) per token)."""
     why = opts.why_not(model.config, loose=True)
     assert why is None, why
     o, R, bs = opts, opts.n_loop or model.config.n_loop, model.config.block_size

@@ -85,8 +85,7 @@ def main(argv=None):
     seconds = time.time() - t0
     for out in outs:
         print(decode(out) + '\n---------------')
-    used = torch.tensor([k for u in used for k in u], dtype=torch.float)
-    print(summary(used, seconds, R, opts, stats))
+    print(summary(torch.tensor([k for u in used for k in u], dtype=torch.float), seconds, R, opts, stats))
 
 
 def read_prompts():  # the text of --prompts or --start (FILE:path reads a file), and its flag
@@ -99,8 +98,8 @@ def read_prompts():  # the text of --prompts or --start (FILE:path reads a file)
 
 
 def mode(opts, R):  # the decoding in words, for the header line
-    words = f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" \
-        if opts.exit_threshold is not None else f"fixed exit at loop {R}"
+    words = f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" if opts.exit_threshold \
+        is not None else f"fixed exit at loop {R}"
     if draft_loops:
         words += f", self-speculative (drafts of {speculate} tokens from loop {draft_loops})"
     if kv_policy != 'recompute':
