@@ -151,8 +151,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, kv=None, pos=0):
         B, T, C = x.size()
         q, k, v = self.qkv(x, rope)
-        # decoding (engine.py): k, v join this visit's cache slot; the T new tokens (a prompt, drafts to
-        # verify) see positions 0..pos+T-1, rows at their own positions (batching.py) with a key mask
+        # decoding (engine.py): k, v join this visit's slot; queries see 0..pos+T-1 (rows at own pos: a mask)
         k, v, mask = kv.update(k, v, pos) if kv is not None else (k, v, None)
         # softmax(q k^T / sqrt(hs) + causal mask) v; the T queries are the last T of the keys
         dropout = self.attn_dropout if self.training else 0.0
@@ -374,8 +373,8 @@ class GPT(nn.Module):
         if self.config.pos != 'rope':
             return None
         t = self.positions(pos, T)
-        return (self.rope_cos[t], self.rope_sin[t]) if t.dim() == 1 else (self.rope_cos[t][:, None],
-                                                                           self.rope_sin[t][:, None])
+        cos, sin = self.rope_cos[t], self.rope_sin[t]
+        return (cos, sin) if t.dim() == 1 else (cos[:, None], sin[:, None])
 
     def untied(self, part, x, cache=None, pos=0):
         # the prelude or the coda (§4): dense blocks of their own, run once per pass, each with a slot
@@ -404,16 +403,14 @@ class GPT(nn.Module):
         return self.inject(self.transformer.ln_loop(h), e)
 
     @staticmethod
-    def loop_features(cfg):
+    def loop_features(c):
         # {key: why} of what loop k reads besides h_{k-1}, e and its slots, each keeping rows at other loops
-        # out of one round; 'pass': carried from loop 1 in one pass (no exit, no draft). A new one goes here
-        return {key: why for key, on, why in (
-            ('hyper_lanes', cfg.hyper_lanes, 'pass: hyper-connection lanes are carried from loop 1 '
-             '(hyper-connections, hyper_lanes)'),
-            ('tied_routing', cfg.tied_routing, "pass: tied routing reads loop 1's experts"),
-            ('injection', cfg.injection == 'iso', "row: injection='iso' acts before loop 1 too"),
-            ('disjoint_routing', cfg.disjoint_routing, 'row: disjoint routing gives each loop its own '
-             'experts'))
+        # out of one round; 'pass': carried from loop 1 in one pass (no exit, no draft). New ones go here
+        return {key: why for key, on, why in (('hyper_lanes', c.hyper_lanes, 'pass: hyper-connection lanes '
+                                               'are carried from loop 1 (hyper-connections, hyper_lanes)'),
+            ('tied_routing', c.tied_routing, "pass: tied routing reads loop 1's experts"),
+            ('injection', c.injection == 'iso', "row: injection='iso' acts before loop 1 too"),
+            ('disjoint_routing', c.disjoint_routing, 'row: disjoint routing gives each loop its own experts'))
             if on}
 
     def round(self, h, e, k, cache, pos):
