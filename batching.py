@@ -37,7 +37,7 @@ class RowSlot:
     def update(self, k, v, pos):
         # write, then each row's keys and values 0..max(pos) and the mask of the positions it has
         self.write(k, v, pos)
-        n = int(pos.max()) + 1
+        n = self.k.size(2)  # every position, masked: no host read of pos (a compiled step has no sync)
         keys, values = (t[:, :, :n].index_select(0, self.idx) for t in (self.k, self.v))  # (B', nh, n, hs)
         mask = torch.arange(n, device=pos.device) <= pos[:, None]                     # (B', n)
         return keys, values, mask[:, None, None, :]
@@ -69,15 +69,11 @@ class RowView:
 # one call: every place one loop (step), a function of tensors
 
 def readout(model, h, ks, view, pos):
-    """z_k and the logits (B', V) of rows at exits ks (B',): the coda and the readout norm, which
-    depends on the exit only for 'final_only' (exit R is normed, the others are not)."""
-    if model.config.readout != 'final_only':
-        z = model.coda_readout(h, 1, view, pos)[:, -1]
-    else:
-        z = torch.empty_like(h[:, -1])
-        for k in ks.unique().tolist():
-            r = (ks == k).nonzero().squeeze(1)
-            z[r] = model.coda_readout(h[r], k, RowView(view.cache, view.rows[r]), pos[r])[:, -1]
+    """z_k and the logits (B', V) of rows at exits ks (B',): the coda, then the readout norm, which depends
+    on the exit only under 'final_only' (normed at exit n_loop and past it: GPT.readout_norm)."""
+    z = model.coda_readout(h, 1, view, pos)[:, -1]  # exit 1's: raw under 'final_only', unless n_loop = 1
+    if model.config.readout == 'final_only' and model.config.n_loop > 1:
+        z = torch.where((ks >= model.config.n_loop)[:, None], model.transformer.ln_out(z), z)
     return z, model.lm_head(z).float()
 
 
@@ -85,7 +81,7 @@ def score(model, policy, z, logits, prev, first):
     """exits.score_at_exit for rows each at its own exit: rows at exit 1 (first) start afresh, the
     others go on from prev (None: every row is at exit 1)."""
     fresh, fresh_prev = exits.score_at_exit(model, policy, z, logits)
-    if prev is None or fresh_prev is None or bool(first.all()):
+    if prev is None or fresh_prev is None:
         return fresh, fresh_prev
     later, later_prev = exits.score_at_exit(model, policy, z, logits, prev)
     pick_fresh = lambda a, b: torch.where(first.view(-1, *[1] * (a.dim() - 1)), a, b)

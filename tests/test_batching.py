@@ -245,3 +245,33 @@ def test_serve_bench_answers_help_with_its_flags(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert all(f in out for f in ('--prompts', '--thresholds', '--kv_policy', '--repeats'))
+
+
+@pytest.mark.parametrize('kw,opts', [(dict(), dict(exit_threshold=1e9, exit_policy='margin')),
+                                     (dict(readout='final_only', pos='rope', n_coda=1, injection='add'),
+                                      dict(exit_threshold=1e-2, exit_policy='kl'))])
+def test_the_decode_step_reads_nothing_back_to_the_host(kw, opts, monkeypatch):
+    # the step of depth batching (every place one loop, readout, exit score, who exits) is a function of
+    # tensors: a host read planted in it (item, tolist, bool or int of a tensor) fails here
+    m, ps, steps = tiny(**kw), prompts(), []
+    plain = batching.step
+
+    def guarded(*args):
+        def sync(*a, **k):
+            raise AssertionError('a host sync inside the decode step')
+        with monkeypatch.context() as mp:
+            for name in ('item', 'tolist', '__bool__', '__int__'):
+                mp.setattr(torch.Tensor, name, sync)
+            steps.append(plain(*args))
+        return steps[-1]
+    monkeypatch.setattr(batching, 'step', guarded)
+    outs, used, _ = serve(m, ps, 8, Decoding(batch_size=3, temperature=0, **opts))
+    assert steps and all(len(u) == 8 for u in used)
+    real = batching.readout
+
+    def planted(model, h, ks, view, pos):
+        int(ks.max())  # a host read, as an exit decision read back at every call would be
+        return real(model, h, ks, view, pos)
+    monkeypatch.setattr(batching, 'readout', planted)
+    with pytest.raises(AssertionError, match='host sync'):
+        serve(m, ps, 2, Decoding(batch_size=3, temperature=0, **opts))
