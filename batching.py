@@ -1,50 +1,30 @@
 """
 Continuous depth batching (Schwethelm et al. 2026; docs/decoding.md): the loop's weights are shared, so
-tokens at *different* loops can go through the *same* block call. Every call advances each row one loop;
-a row whose token exits is read out, samples, and starts its next token at loop 1 in the next call, while
-the others go on. A row is a request: when it has its tokens, the next prompt takes its place.
+tokens at *different* loops can go through the *same* block call. Every call (step) advances each place
+one loop; a row whose token exits samples and starts its next token at loop 1 the next call. A row is a
+request: when it has its tokens, the next prompt takes its place (scheduling: Requests, prompt_pass).
 
-    outs, used, stats = serve(model, prompts, 200, batch_size=8, exit_threshold=0.9, temperature=0)
+    outs, used, stats = serve(model, prompts, 200, Decoding(batch_size=8, exit_threshold=0.9, temperature=0))
 
-Each row attends to the cache slots of its own (loop, layer) visit at its own position: RowSlot gathers
-them per row and masks the positions past the row's own. A token that exits at loop k leaves in the slots
-of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1), written with the next call's
-exits (a skipped slot is first read two calls on). The state of the B rows in flight is indexed by their
-place in the batch, so that a full batch needs no gather of it. A prompt's prefill, a window that slides
-past the block size and the first token after them run all R loops, as engine.generate does, through
-engine.decode_step: the cache holds up to 2B rows, so the next B prompts take that pass together and
-wait, passed, for rows to free (not one prompt a pass, each time a row frees).
+Each row attends to the slots of its own (loop, layer) visit at its own position (RowSlot). An exit at loop
+k leaves in the slots of loops k+1..R what kv_policy says, written with the next call's exits (a skipped
+slot is first read two calls on). Prompt passes and slid windows run all R loops (engine.decode_step), B
+rows at a time: the cache holds up to 2B rows, passed ones waiting for a place.
 """
+from dataclasses import replace
+
 import torch
 
 import exits
-from engine import KVCache, decode_step, pick
+from engine import Decoding, KVCache, decode_step, pick
 
-
-def refusal(cfg, kv_policy, draft_loops=0):
-    """Why depth batching cannot run this model or these options (one line, in sample.py's flags), or
-    None. One call serves rows at other loops, so a model whose loop k is more than the slots it reads
-    cannot be served this way."""
-    if draft_loops:
-        return "--draft_loops verifies a batch of rows in step: drop it or use --batch_size=1"
-    why = ("hyper-connections carry lanes per loop" if cfg.hyper_lanes else
-           "injection='iso' acts before loop 1 too" if cfg.injection == 'iso' else
-           "tied routing reads loop 1's experts in the same pass" if cfg.tied_routing else
-           "disjoint routing gives each loop its own experts" if cfg.disjoint_routing else None)
-    if why:
-        return f"--batch_size > 1 runs rows at different loops in one call, and {why}: use --batch_size=1"
-    if kv_policy == 'active':
-        return ("--kv_policy=active masks visits per history, one row at a time: use --batch_size=1 or "
-                "another kv_policy")
-    return None
 
 # -----------------------------------------------------------------------------
 # the cache, seen by rows at their own loops and positions
 
 class RowSlot:
-    """One part's keys and values seen by some rows, each at its own visit: k and v flattened to
-    (visits x rows, nh, T, hs), and idx (B',) the entry each row reads and writes. index_select on the
-    first dimension gathers far faster than an index over two dimensions (plane, row)."""
+    """One part's keys and values, k and v flattened to (visits x rows, nh, T, hs), seen by rows each at its
+    own visit: idx (B',) the entry each reads and writes (index_select on one dimension gathers fastest)."""
 
     def __init__(self, k, v, idx):
         self.k, self.v, self.idx = k.flatten(0, -4), v.flatten(0, -4), idx
@@ -57,7 +37,7 @@ class RowSlot:
     def update(self, k, v, pos):
         # write, then each row's keys and values 0..max(pos) and the mask of the positions it has
         self.write(k, v, pos)
-        n = int(pos.max()) + 1
+        n = self.k.size(2)  # every position, masked: no host read of pos (a compiled step has no sync)
         keys, values = (t[:, :, :n].index_select(0, self.idx) for t in (self.k, self.v))  # (B', nh, n, hs)
         mask = torch.arange(n, device=pos.device) <= pos[:, None]                     # (B', n)
         return keys, values, mask[:, None, None, :]
@@ -86,18 +66,14 @@ class RowView:
         return RowSlot(c.loop_k, c.loop_v, entry + j * self.B)
 
 # -----------------------------------------------------------------------------
-# one call: every row one loop
+# one call: every place one loop (step), a function of tensors
 
 def readout(model, h, ks, view, pos):
-    """z_k and the logits (B', V) of rows at exits ks (B',): the coda and the readout norm, which
-    depends on the exit only for 'final_only' (exit R is normed, the others are not)."""
-    if model.config.readout != 'final_only':
-        z = model.coda_readout(h, 1, view, pos)[:, -1]
-    else:
-        z = torch.empty_like(h[:, -1])
-        for k in ks.unique().tolist():
-            r = (ks == k).nonzero().squeeze(1)
-            z[r] = model.coda_readout(h[r], k, RowView(view.cache, view.rows[r]), pos[r])[:, -1]
+    """z_k and the logits (B', V) of rows at exits ks (B',): the coda, then the readout norm, which depends
+    on the exit only under 'final_only' (normed at exit n_loop and past it: GPT.readout_norm)."""
+    z = model.coda_readout(h, 1, view, pos)[:, -1]  # exit 1's: raw under 'final_only', unless n_loop = 1
+    if model.config.readout == 'final_only' and model.config.n_loop > 1:
+        z = torch.where((ks >= model.config.n_loop)[:, None], model.transformer.ln_out(z), z)
     return z, model.lm_head(z).float()
 
 
@@ -105,7 +81,7 @@ def score(model, policy, z, logits, prev, first):
     """exits.score_at_exit for rows each at its own exit: rows at exit 1 (first) start afresh, the
     others go on from prev (None: every row is at exit 1)."""
     fresh, fresh_prev = exits.score_at_exit(model, policy, z, logits)
-    if prev is None or fresh_prev is None or bool(first.all()):
+    if prev is None or fresh_prev is None:
         return fresh, fresh_prev
     later, later_prev = exits.score_at_exit(model, policy, z, logits, prev)
     pick_fresh = lambda a, b: torch.where(first.view(-1, *[1] * (a.dim() - 1)), a, b)
@@ -113,10 +89,8 @@ def score(model, policy, z, logits, prev, first):
 
 
 def fill_skipped(model, cache, rows, h, e, ks, pos, R):
-    """Rows `rows` that exit at loops ks < R fill the slots of the loops they skip, as exits.fill_skipped
-    does at batch 1, in one write for every row, skipped loop and layer: the keys and values of
-    carry(h_k, e) (recompute) or of the row's own exit loop (copy, shared). A row may come twice (two
-    tokens' exits, at two positions)."""
+    """Rows `rows` that exit at loops ks < R fill the slots they skip as exits.fill_skipped does at batch 1,
+    in one write for every row, loop and layer (a row may come twice: two tokens' exits, two positions)."""
     # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
     last = min(R, cache.n) if cache.policy == 'shared' else R
     loops = torch.arange(1, last + 1, device=ks.device)
@@ -135,165 +109,154 @@ def fill_skipped(model, cache, rows, h, e, ks, pos, R):
         for t in (keys, values):
             t[to, :, p] = t[frm, :, p]
 
+def step(model, cache, f, R, threshold, policy):
+    """Every place of flight f one loop (GPT.round), each at its own loop, position and slots, then its
+    readout and exit score: (h_k, loops run, score state, logits (B, V), done (B,): the rows that exit)."""
+    first, ks = f.ks == 0, f.ks + 1  # first: the tokens that start (Flight.place embedded them)
+    view = RowView(cache, f.rows, ks)
+    h = model.round(f.h, f.e, ks, view, f.pos).to(f.e.dtype)  # one block call per layer for every place
+    z, logits = readout(model, h, ks, view, f.pos)
+    done, prev = ks == R, f.prev
+    if threshold is not None:
+        s, prev = score(model, policy, z, logits, prev, first)
+        done = done | (s >= threshold)
+    return h, ks, prev, logits, done
+
 # -----------------------------------------------------------------------------
-# serving many prompts
+# scheduling: the requests, the places in flight, the prompt passes
 
 class Requests:
     """The prompts, their tokens so far and the loops each new token used; which request each cache row
-    serves, and each row's window start (a window slides to its last half past the block size)."""
+    serves and its window start (a window slides to its last half past the block size); the cache rows
+    whose window slid, waiting to pass again, and those passed, ready for a place: (row, token, pos)."""
 
-    def __init__(self, prompts, B, max_new_tokens, block_size):
+    def __init__(self, prompts, N, max_new_tokens, block_size):
         self.tokens = [list(p) for p in prompts]
         self.used, self.queue = [[] for _ in prompts], list(range(len(prompts)))
-        self.row, self.start = [None] * B, [0] * B
+        self.row, self.start, self.waiting, self.ready = [None] * N, [0] * N, [], []
         self.n, self.bs, self.refills = max_new_tokens, block_size, 0
 
-    def add(self, b, token, loops):
-        """Row b's next token, which used `loops`: 'done' (the request has its tokens, the row is free),
-        'slide' (the window is full: it moves to its last half, to be refilled), or its position."""
-        r = self.row[b]
+    def add(self, c, token, loops):
+        """Cache row c's next token, which used `loops`: its position, or None when the row leaves its
+        place (its request has its tokens, or its window slid: it waits to pass again)."""
+        r = self.row[c]
         self.tokens[r].append(token)
         self.used[r].append(loops)
         if len(self.used[r]) == self.n:
-            self.row[b] = None
-            return 'done'
-        if len(self.tokens[r]) - self.start[b] > self.bs:
-            self.start[b] = len(self.tokens[r]) - max(1, self.bs // 2)
+            self.row[c] = None
+            return None
+        if len(self.tokens[r]) - self.start[c] > self.bs:
+            self.start[c] = len(self.tokens[r]) - max(1, self.bs // 2)
             self.refills += 1
-            return 'slide'
-        return len(self.tokens[r]) - 1 - self.start[b]
+            self.waiting.append(c)
+            return None
+        return len(self.tokens[r]) - 1 - self.start[c]
 
-    def window(self, b):
-        return self.tokens[self.row[b]][self.start[b]:]
+    def admit(self, B):
+        """The cache rows of the next prompt pass: those whose window slid, then free rows that take the
+        next prompts (a prompt's window: its last block_size tokens), at most B."""
+        free = [c for c, r in enumerate(self.row) if r is None][:max(0, B - len(self.waiting))]
+        for c in free[:len(self.queue)]:
+            self.row[c] = self.queue.pop(0)
+            self.start[c] = max(0, len(self.tokens[self.row[c]]) - self.bs)
+        passing, self.waiting = self.waiting + free[:len(self.queue) + len(free)], []
+        return [c for c in passing if self.row[c] is not None]
+
+    def window(self, c):
+        return self.tokens[self.row[c]][self.start[c]:]
+
+
+def prompt_pass(model, cache, req, opts, B, R):
+    """The rows req.admit gives take one pass (engine.decode_step, all R loops) together, their windows
+    right-padded to the longest: padding sits past each row's own tokens, where no query of that row
+    looks before its own token overwrites it. Each samples from its last token; those that go on are
+    ready for a place."""
+    passing, device = req.admit(B), cache.loop_k.device
+    windows = [req.window(c) for c in passing]
+    n = max(map(len, windows))
+    idx = torch.tensor([w + w[-1:] * (n - len(w)) for w in windows], device=device)
+    last = torch.tensor([len(w) - 1 for w in windows], device=device)
+    logits = decode_step(model, idx, cache.select(torch.tensor(passing, device=device)), 0, R, last)
+    for c, t in zip(passing, pick(logits, opts.temperature, opts.top_k)[:, 0].tolist()):
+        if (q := req.add(c, t, R)) is not None:
+            req.ready.append((c, t, q))
+
+
+class Flight:
+    """The B places in flight, one record of tensors indexed by place (a full batch runs a call without a
+    gather): each place's cache row, the loop its token last ran (0: a new token), its position, its
+    state h and prelude output e (B, 1, C), the exit score's state; at: the cache rows, on the host."""
+
+    def __init__(self, model, B):
+        w = model.lm_head.weight
+        self.at, self.prev = [None] * B, None
+        self.rows, self.ks, self.pos = (torch.zeros(B, dtype=torch.long, device=w.device) for _ in 'rkp')
+        self.h, self.e = (w.new_zeros(B, 1, model.config.n_embd) for _ in 'he')
+
+    def place(self, model, cache, starts):
+        # the tokens that start at loop 1 next call, (place, row, token, position) each: embedded at once
+        p, c, t, q = (torch.tensor(v, device=self.ks.device) for v in zip(*starts))
+        self.rows[p], self.pos[p], self.ks[p] = c, q, 0
+        self.e[p] = model.prelude(model.embed(t[:, None], q), RowView(cache, c), q).to(self.e.dtype)
+        for p, c, _, _ in starts:
+            self.at[p] = c
+
+    def drop(self, empty):
+        # the places no row took leave the batch (then nothing is left to pass: only at the end)
+        keep = torch.tensor([p for p in range(len(self.at)) if p not in empty], dtype=torch.long,
+                            device=self.ks.device)
+        self.rows, self.ks, self.pos = self.rows[keep], self.ks[keep], self.pos[keep]
+        self.h, self.e = self.h[keep], self.e[keep]
+        self.prev = None if self.prev is None else self.prev[keep]
+        self.at = [c for p, c in enumerate(self.at) if p not in empty]
+
+
+def fill_pending(model, cache, pending, R):
+    # the skipped slots of the exits pending (rows, h_k, e, loops, positions each), in one write
+    if pending:
+        fill_skipped(model, cache, *(torch.cat(t) for t in zip(*pending)), R)
+    return []
 
 
 @torch.no_grad()
-def serve(model, prompts, max_new_tokens, batch_size=8, temperature=1.0, top_k=None, n_loop=None,
-          exit_threshold=None, exit_policy='maxprob', kv_policy='recompute', kv_slots=None):
-    """Decode max_new_tokens after each prompt (lists of token ids), batch_size rows in flight, with
-    continuous depth batching. Returns the token lists (prompt and new tokens) in prompt order, the loops
-    each new token used, and counts: calls (of the loop's blocks), refills (windows that slid), passes
-    (prompt passes), full (the share of the calls' B places that held a row: below 1 in the tail)."""
-    cfg, device = model.config, model.lm_head.weight.device
-    R = cfg.n_loop if n_loop is None else n_loop
-    why = refusal(cfg, kv_policy)
+def serve(model, prompts, max_new_tokens, opts=Decoding()):
+    """Decode max_new_tokens after each prompt (token lists), opts.batch_size rows in flight: the token lists
+    in prompt order, the loops each new token used, and counts: calls (of the blocks), refills (windows
+    slid), passes (prompt passes), full (the share of the calls' B places that held a row)."""
+    R, o = opts.n_loop or model.config.n_loop, opts
+    why = replace(o, batch_size=2).why_not(model.config, loose=True)  # one row runs at its own loop too
     assert why is None, why
-    if max_new_tokens == 0:
-        return [list(p) for p in prompts], [[] for _ in prompts], dict(calls=0, refills=0, passes=0, full=0.0)
-    threshold = None if exit_threshold is None else exits.score_threshold(exit_policy, exit_threshold)
-    B = max(1, min(batch_size, len(prompts)))
-    # the cache holds up to 2B rows: B in flight and up to B more whose prompt pass is done, so that the
-    # prompts go through their pass B at a time (as engine.generate's batches do), not one by one
-    N = max(B, min(2 * B, len(prompts)))
-    cache = KVCache(model, N, R, device, model.lm_head.weight.dtype, kv_policy, kv_slots)
-    req, calls, passes, ran = Requests(prompts, N, max_new_tokens, cfg.block_size), 0, 0, 0
-    # the B places in flight, each a cache row with its token in flight: the state is indexed by place,
-    # so that a full batch runs a call without gathering it
-    at = [None] * B                                          # each place's cache row
-    rows = torch.zeros(B, dtype=torch.long, device=device)   # the same, as a tensor
-    ks = torch.zeros(B, dtype=torch.long, device=device)     # the last loop run (0: a new token)
-    pos = torch.zeros(B, dtype=torch.long, device=device)    # the token's position in its window
-    h, e = (torch.zeros(B, 1, cfg.n_embd, device=device, dtype=model.lm_head.weight.dtype) for _ in range(2))
-    ready, waiting, prev = [], [], None  # (row, token, position) passed; rows to pass again; score state
-    starts = []    # (place, row, token, position): the tokens that start at loop 1 in the next call
-    unfilled = []  # the last call's early exits: (rows, h_k, e, loops, positions), for fill_skipped
-
-    def refill(free):
-        # free places take the rows that are ready (when none is, one prompt pass makes more); then the
-        # tokens that start are placed and embedded, all at once. A place that none takes leaves the
-        # batch: then nothing is left to pass, so this happens only at the end
-        nonlocal at, rows, ks, pos, h, e, prev
-        for p in free:
-            while not ready and (waiting or req.queue):
-                prompt_pass()
-            at[p] = ready[0][0] if ready else None
-            if ready:
-                starts.append((p, *ready.pop(0)))
-        if starts:  # embed and prelude, each token at its own position
-            p, c, t, q = (torch.tensor(v, device=device) for v in zip(*starts))
-            rows[p], pos[p], ks[p] = c, q, 0
-            e[p] = model.prelude(model.embed(t[:, None], q), RowView(cache, c), q).to(e.dtype)
-            starts.clear()
-        if None in at:
-            keep = [p for p, c in enumerate(at) if c is not None]
-            keep = torch.tensor(keep, dtype=torch.long, device=device)
-            rows, ks, pos, h, e = (t[keep] for t in (rows, ks, pos, h, e))
-            prev = None if prev is None else prev[keep]
-            at = [c for c in at if c is not None]
-
-    def prompt_pass():
-        # the rows whose window slid and the next prompts, into free cache rows, take one pass together,
-        # their windows right-padded to the longest: padding sits past each row's own tokens, where no
-        # query of that row looks before its own token overwrites it; then each samples from its last token
-        nonlocal passes
-        fill()  # before a new prompt's pass can write over a finished row's slots
-        free = [c for c in range(N) if req.row[c] is None][:max(0, B - len(waiting))]
-        passing = waiting[:] + [c for c in free if enter(c)]
-        waiting.clear()
-        windows = [req.window(c) for c in passing]
-        n = max(map(len, windows))
-        idx = torch.tensor([w + w[-1:] * (n - len(w)) for w in windows], device=device)
-        last = torch.tensor([len(w) - 1 for w in windows], device=device)
-        logits = decode_step(model, idx, cache.select(torch.tensor(passing, device=device)), 0, R, last)
-        passes += 1
-        for c, t in zip(passing, pick(logits, temperature, top_k)[:, 0].tolist()):
-            step = req.add(c, t, R)
-            if goes_on(c, step):
-                ready.append((c, t, step))
-
-    def goes_on(c, step):
-        # whether cache row c runs its new token next (step: its position), or frees its place: its request
-        # is done, or its window slid and it waits to pass again
-        if step == 'slide':
-            waiting.append(c)
-        return step not in ('done', 'slide')
-
-    def fill():
-        # a skipped slot is first read two calls after its exit (loop 2 of the next token), so the exits
-        # of two calls fill their slots in one pass: the weights of the recompute are read half as often
-        if unfilled:
-            fill_skipped(model, cache, *(torch.cat(t) for t in zip(*unfilled)), R)
-            unfilled.clear()
-
-    def enter(c):
-        # the next prompt into free cache row c (its window: the prompt's last block_size tokens)
-        if not req.queue:
-            return False
-        req.row[c] = req.queue.pop(0)
-        req.start[c] = max(0, len(req.tokens[req.row[c]]) - cfg.block_size)
-        return True
-
-    refill(range(B))
-    while at:
-        first = ks == 0  # the tokens that start (refill embedded them)
-        # what loop k+1 reads of h_k: the inter-loop norm, then the injection (a new token reads e)
-        x = torch.where(first[:, None, None], e, model.carry(h, e).to(e.dtype))
-        ks += 1
-        view = RowView(cache, rows, ks)
-        # one block call per layer for every place, each at its own loop (its slots) and position
-        h = model.loops(x, e, [1], view, pos).states[0].to(e.dtype)
-        calls, ran = calls + 1, ran + len(at)
-        z, logits = readout(model, h, ks, view, pos)
-        done = ks == R
-        if threshold is not None:
-            s, prev = score(model, exit_policy, z, logits, prev, first)
-            done |= s >= threshold
-        out, stale = done.nonzero().squeeze(1), bool(unfilled)  # stale: the last call's exits wait
-        early = out[ks[out] < R]
-        if early.numel():
-            unfilled.append((rows[early], h[early], e[early], ks[early], pos[early]))
-        if stale:
-            fill()
-        if out.numel() == 0:
-            continue
-        free = []  # the places whose request is done or must pass again
-        for p, t, used in zip(out.tolist(), pick(logits[out], temperature, top_k)[:, 0].tolist(),
-                              ks[out].tolist()):
-            step = req.add(at[p], t, used)
-            if goes_on(at[p], step):
-                starts.append((p, at[p], t, step))
-            else:
-                free.append(p)
-        refill(free)
-    full = ran / (calls * B) if calls else 0.0
-    return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes, full=full)
+    threshold = None if o.exit_threshold is None else exits.score_threshold(o.exit_policy, o.exit_threshold)
+    # the cache holds up to 2B rows: B in flight and up to B more passed, so that prompts take their pass B
+    # at a time (as engine.generate's batches do), not one by one each time a row frees
+    B = max(1, min(o.batch_size, len(prompts)))
+    cache = KVCache(model, max(B, min(2 * B, len(prompts))), R, model.lm_head.weight.device,
+                    model.lm_head.weight.dtype, o.kv_policy, o.kv_slots)
+    req = Requests(prompts, cache.loop_k.size(2), max_new_tokens, model.config.block_size)
+    f, free, pending, calls, ran, passes = Flight(model, B), list(range(B)), [], 0, 0, 0
+    while max_new_tokens and (free or f.at):
+        while len(req.ready) < len(free) and (req.waiting or req.queue):  # passed rows for the free places
+            pending = fill_pending(model, cache, pending, R)  # before a pass writes over a done row's
+            prompt_pass(model, cache, req, o, B, R)
+            passes += 1
+        starts, req.ready = [(p, *r) for p, r in zip(free, req.ready)], req.ready[len(free):]
+        if starts:
+            f.place(model, cache, starts)
+        if len(starts) < len(free):
+            f.drop(free[len(starts):])
+        if not f.at:
+            break
+        f.h, f.ks, f.prev, logits, done = step(model, cache, f, R, threshold, o.exit_policy)
+        calls, ran = calls + 1, ran + len(f.at)
+        out = done.nonzero().squeeze(1)
+        early, stale = out[f.ks[out] < R], bool(pending)  # a skipped slot is first read two calls on
+        pending.append((f.rows[early], f.h[early], f.e[early], f.ks[early], f.pos[early]))
+        pending = fill_pending(model, cache, pending, R) if stale else pending
+        free, back = out.tolist(), []  # the places that exited; their rows that go on take them first
+        new = pick(logits[out], o.temperature, o.top_k)[:, 0].tolist()
+        for p, t, k in zip(free, new, f.ks[out].tolist()):
+            if (q := req.add(f.at[p], t, k)) is not None:
+                back.append((f.at[p], t, q))
+        req.ready[:0] = back
+    return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes,
+                                      full=ran / max(1, B * calls))

@@ -1,25 +1,88 @@
 """
-Decoding a looped GPT, in gpt-fast's order: sampling, the KV cache, one fixed-depth decode step,
-self-speculative decoding, then generate (docs/decoding.md). Early exits (a token that stops before
-loop R, and what it leaves in the cache for the loops it skips) are in exits.py; generate calls it
-when an exit threshold is set.
-
-The model knows nothing of this file: GPT.loops and GPT.untied ask the cache for a visit's slot
-(cache.slot(part, j, k)) and the attention hands it the new keys and values (slot.update).
+Decoding a looped GPT, in gpt-fast's order: the options, sampling, the KV cache, one fixed-depth decode
+step, self-speculative decoding, then generate (docs/decoding.md). Early exits are in exits.py. The model
+knows nothing of this file: it asks the cache for a visit's slot (cache.slot) and hands it k, v (update).
 
     cache = KVCache(model, B, R, device, dtype)
     logits = decode_step(model, idx, cache, pos, R)            # all rows, all R loops
-    idx, used, stats = generate(model, idx, max_new_tokens, temperature=0.8)
-    idx, used, stats = generate(model, idx, max_new_tokens, exit_threshold=0.9)      # exits.py
-    idx, used, stats = generate(model, idx, max_new_tokens, draft_loops=2, speculate=4)  # fixed-R's
+    idx, used, stats = generate(model, idx, max_new_tokens, Decoding(temperature=0.8))
+    idx, used, stats = generate(model, idx, max_new_tokens, Decoding(exit_threshold=0.9))        # exits.py
+    idx, used, stats = generate(model, idx, max_new_tokens, Decoding(draft_loops=2, speculate=4))  # fixed-R's
 """
 import copy
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
 import exits
+from model import GPT
+
+# -----------------------------------------------------------------------------
+# the options
+
+@dataclass
+class Decoding:
+    """How generate and serve decode; why_not holds every rule of which options go together."""
+    temperature: float = 1.0      # 1 = as trained, < 1 sharper, 0 = greedy
+    top_k: int = None             # keep the top_k most likely tokens (None = all)
+    n_loop: int = None            # loops per token (None = the trained R)
+    exit_threshold: float = None  # an early exit at the first loop whose score reaches it (exits.py)
+    exit_policy: str = 'maxprob'  # the score (exits.EXIT_POLICIES)
+    kv_policy: str = 'recompute'  # what an exit leaves in the slots it skips (exits.KV_POLICIES)
+    kv_slots: int = None          # kv_policy='shared': the slots per layer
+    draft_loops: int = 0          # self-speculative decoding: drafts from this many loops (0 = off)
+    speculate: int = None         # tokens per draft (None = 4)
+    batch_size: int = 1           # serve: rows in flight (continuous depth batching, batching.py)
+    use_cache: bool = True        # False: recompute the window at every token (the reference)
+
+    def why_not(self, cfg, loose=False):
+        """Why these options cannot decode a model of config cfg, in sample.py's flags, or None. loose (a
+        library call): only what would decode wrong, not the options that would do nothing."""
+        R, adaptive, k, n = self.n_loop or cfg.n_loop, self.exit_threshold is not None, self.draft_loops, \
+            self.kv_slots
+        shared, gamma, kv = self.kv_policy == 'shared', self.speculate, self.kv_policy
+        rows = self.batch_size > 1
+        features = GPT.loop_features(cfg)  # what loop k reads besides h_{k-1}, e and its slots
+        carried = next((why[6:] for why in features.values() if why.startswith('pass: ')), None)
+        tied = "this model's tied_routing=True needs loop 1's experts"
+        rules = [
+            (not adaptive or self.exit_policy != 'gate' or cfg.exit_gate == 'learned', "--exit_policy=gate "
+             "reads the learned exit gate, and this model has none (exit_gate='none'): use maxprob, margin, "
+             "entropy or kl"),
+            (loose or not n or shared, f"--kv_slots={n} sets the slots of --kv_policy=shared: add it"),
+            (not shared or n, f"--kv_policy=shared needs --kv_slots=N, the slots per layer (1..{R})"),
+            (loose or not n or n <= R, f"--kv_slots={n}: a token runs only {R} loops, so at most {R} slots"),
+            (loose or kv not in ('copy', 'active') or adaptive or k,
+             f"--kv_policy={kv} decides what exited tokens leave in the cache: add --exit_threshold"),
+            (loose or k or gamma is None, f"--speculate={gamma} is the draft length: add --draft_loops"),
+            (k < R, f"--draft_loops={k}: drafts must use fewer loops than the {R} each token runs "
+                    f"(1..{R - 1})"),
+            (loose or not (k and adaptive), "--draft_loops gives fixed-depth tokens: drop --exit_threshold"),
+            (loose or not (k and shared), "--draft_loops verifies with every loop's own slots: drop "
+             "--kv_policy=shared"),
+            (not (cfg.tied_routing and adaptive),
+             f"--exit_threshold drops exited rows between loops, and {tied} for every row: drop "
+             "--exit_threshold"),
+            (not (cfg.tied_routing and k),
+             f"--draft_loops verifies loops k+1.. in another pass, and {tied} from the same pass: drop "
+             "--draft_loops"),
+            (not (carried and (adaptive or k)), f"--exit_threshold and --draft_loops run loop k apart from "
+             f"loops 1..k-1, and this model's {carried} within one pass: drop them"),
+            (not (rows and k), "--draft_loops verifies a batch of rows in step: drop it or use "
+             "--batch_size=1"),
+            (not (rows and features), "--batch_size > 1 runs rows at different loops in one call, and this "
+             f"model's {next(iter(features.values()), ': ').split(': ', 1)[1]}: use --batch_size=1"),
+            (not (rows and kv == 'active'), "--kv_policy=active masks visits per history, one row at a time: "
+             "use --batch_size=1 or another kv_policy")]
+        why = next((msg for ok, msg in rules if not ok), None)
+        if why is None and adaptive:
+            try:
+                exits.score_threshold(self.exit_policy, self.exit_threshold)  # within the policy's range
+            except ValueError as e:
+                why = f"--{e}"
+        return why
 
 # -----------------------------------------------------------------------------
 # sampling
@@ -127,10 +190,8 @@ class KVCache:
 
 @torch.no_grad()
 def decode_step(model, idx, cache, pos, R, last=None):
-    """Tokens idx (B, T) at positions pos..pos+T-1 through the prelude, loops 1..R and the coda, every row,
-    writing their slots: the last position's logits at exit R (B, V), or each row's at its index in last
-    (B,) (rows padded past their own tokens, batching.py). The prompt is one such step at pos 0 (the
-    prefill), each new token one more at its position."""
+    """Tokens idx (B, T) at pos..pos+T-1 through every loop, writing their slots: the logits (B, V) at exit R
+    of the last position, or of each row's in last (B,) (rows padded past their tokens: batching.py)."""
     e = model.prelude(model.embed(idx, pos), cache, pos)
     h = model.loops(e, e, range(1, R + 1), cache, pos).states[-1]
     z = model.coda_readout(h, R, cache, pos)  # the coda sees every position: it writes their slots
@@ -150,25 +211,18 @@ def draft(model, idx, cache, pos, k):
 
 
 def verify(model, state, cache, pos, k, R):
-    """Loops k+1..R and the coda of the T drafted positions pos..pos+T-1 in one pass, from their states
-    (h_k, e) (B, T, C) after loop k: exit R's logits (B, T, V), the numbers fixed-R steps compute, since
-    loops 1..k are the draft's own. The T positions go through the model as one multi-token step (the
-    causal mask puts draft i after drafts 0..i-1), writing their slots of loops k+1..R and of the coda;
-    where decoding reads the weights, T cost about what one does."""
+    """Loops k+1..R and the coda of the T drafted positions pos.. in one multi-token pass from their states
+    (h_k, e) (B, T, C): exit R's logits (B, T, V), fixed-R's numbers (loops 1..k are the draft's own)."""
     h, e = state
     h = model.loops(h, e, range(k + 1, R + 1), cache, pos).states[-1]
     return model.lm_head(model.coda_readout(h, R, cache, pos)).float()
 
 
 def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
-    """One round of self-speculative decoding after idx (B, T), whose last token (at pos) has not run
-    yet: draft gamma tokens with loops 1..k, then verify them with loops k+1..R from the drafted states,
-    all gamma positions in one pass. Returns the 1..gamma tokens (B, n) kept, fixed-R decoding's own
-    (greedy, the same tokens; sampled, the same distribution: accept a draft x with probability
-    min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k), normalised), and the round's counts
-    of drafted, checked and accepted drafts. A batch keeps tokens up to the first position some row
-    rejects (exact for every row). Slots past the kept positions hold drafts: each is rewritten before
-    any query reads it (the next round drafts and verifies from the first position not kept)."""
+    """One round after idx (B, T), its last token (at pos) not run yet: gamma drafts from loops 1..k,
+    verified by loops k+1..R in one pass. Returns the 1..gamma tokens (B, n) kept, fixed-R's own (sampled:
+    accept x with probability min(1, p_R(x) / p_k(x)), else resample from max(0, p_R - p_k)), up to the
+    first position some row rejects, and the counts; slots past them are rewritten before any read."""
     tok, drafts, states = idx[:, -1:], [], []
     for i in range(gamma):
         q_logits, state = draft(model, tok, cache, pos + i, k)
@@ -200,25 +254,15 @@ def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
 # generate
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, exit_threshold=None,
-             exit_policy='maxprob', use_cache=True, kv_policy='recompute', kv_slots=None, draft_loops=None,
-             speculate=4):
-    """Sample max_new_tokens after idx (B, T). Returns idx with them, the loops each new token used
-    (B, new), and counts: refills (the window slid), drafted, checked and accepted drafts. Every token
-    runs n_loop loops (default R); temperature 0 = greedy. With exit_threshold (exits.py) a token stops
-    at the first loop whose exit_policy score reaches it, and kv_policy (kv_slots for 'shared') says what
-    it leaves in the slots it skips; the prompt and the first new token run all loops. draft_loops=k:
-    self-speculative decoding, drafts of `speculate` tokens from loops 1..k kept where loops k+1..R
-    confirm them: fixed-R decoding, exactly. The caller passes arguments that make sense together
-    (sample.py checks its flags). Past the block size the window slides to its last half and the cache
-    is refilled from it, as the uncached path crops (docs/decoding.md: O(1) per token)."""
-    R, bs = model.config.n_loop if n_loop is None else n_loop, model.config.block_size
-    # tied routing (§5) and hyper-connection lanes (§3) are carried from loop 1 in one pass over the same
-    # rows: no early exits, no speculative drafts (sample.py refuses them)
-    assert not ((model.config.tied_routing or model.config.hyper_lanes) and (exit_threshold is not None
-                                                                              or draft_loops)), \
-        "tied_routing and hyper_lanes need all loops in one pass over the same rows: no exits, no drafts"
-    threshold = None if exit_threshold is None else exits.score_threshold(exit_policy, exit_threshold)
+def generate(model, idx, max_new_tokens, opts=Decoding()):
+    """Sample max_new_tokens after idx (B, T) as opts say. Returns idx with them, the loops each new token
+    used (B, new), and counts: refills (the window slid), drafted, checked, accepted drafts. The prompt and
+    the first new token run all loops. Past the block size the window slides to its last half and the
+    cache is refilled from it, as the uncached path crops (docs/decoding.md: O(1) per token)."""
+    why = opts.why_not(model.config, loose=True)
+    assert why is None, why
+    o, R, bs = opts, opts.n_loop or model.config.n_loop, model.config.block_size
+    threshold = None if o.exit_threshold is None else exits.score_threshold(o.exit_policy, o.exit_threshold)
     start, cache, used = max(0, idx.size(1) - bs), None, []  # the context window is idx[:, start:]
     stats = Counter(refills=0, drafted=0, checked=0, accepted=0)
     while len(used) < max_new_tokens:
@@ -227,58 +271,23 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=Non
             stats['refills'] += 1
         pos = idx.size(1) - 1 - start  # the last token's position in the window (once cached)
         loops = torch.full((idx.size(0),), float(R), device=idx.device)
-        if not use_cache:
+        if not o.use_cache:
             logits = model(idx[:, start:], n_loop=R)[0][:, -1, :].float()
         elif cache is None:  # the prefill: the window's every token, every loop
             dtype = model.lm_head.weight.dtype
-            cache = KVCache(model, idx.size(0), R, idx.device, dtype, kv_policy, kv_slots)
+            cache = KVCache(model, idx.size(0), R, idx.device, dtype, o.kv_policy, o.kv_slots)
             logits = decode_step(model, idx[:, start:], cache, 0, R)
-        elif draft_loops:  # the drafts stay inside the window and the tokens asked for
-            gamma = min(speculate, bs - pos, max_new_tokens - len(used))
-            new, counts = speculate_round(model, idx, cache, pos, R, draft_loops, gamma, temperature, top_k)
+        elif o.draft_loops:  # the drafts stay inside the window and the tokens asked for
+            gamma = min(o.speculate or 4, bs - pos, max_new_tokens - len(used))
+            new, counts = speculate_round(model, idx, cache, pos, R, o.draft_loops, gamma, o.temperature,
+                                          o.top_k)
             idx, used = torch.cat((idx, new), dim=1), used + [loops] * new.size(1)
             stats.update(counts)
             continue
         elif threshold is not None:
-            logits, loops = exits.adaptive_step(model, idx[:, -1:], cache, pos, R, threshold, exit_policy)
+            logits, loops = exits.adaptive_step(model, idx[:, -1:], cache, pos, R, threshold, o.exit_policy)
         else:
             logits = decode_step(model, idx[:, -1:], cache, pos, R)
-        idx = torch.cat((idx, pick(logits, temperature, top_k)), dim=1)
+        idx = torch.cat((idx, pick(logits, o.temperature, o.top_k)), dim=1)
         used.append(loops)
     return idx, torch.stack(used, dim=1) if used else torch.zeros(idx.size(0), 0), dict(stats)
-
-
-def conflicts(cfg, R, exit_threshold, exit_policy, kv_policy, kv_slots, draft_loops, speculate):
-    """Why these decoding options cannot run together on a model of config cfg at R loops, in the
-    terms of sample.py's flags, or None. speculate: None unless the user set it."""
-    adaptive, shared = exit_threshold is not None, kv_policy == 'shared'
-    rules = [
-        (not adaptive or exit_policy != 'gate' or cfg.exit_gate == 'learned', "--exit_policy=gate reads the "
-         "learned exit gate, and this model has none (exit_gate='none'): use maxprob, margin, entropy or kl"),
-        (not kv_slots or shared, f"--kv_slots={kv_slots} sets the slots of --kv_policy=shared: add it"),
-        (not shared or kv_slots, f"--kv_policy=shared needs --kv_slots=N, the slots per layer (1..{R})"),
-        (kv_slots <= R, f"--kv_slots={kv_slots}: a token runs only {R} loops, so at most {R} slots"),
-        (kv_policy not in ('copy', 'active') or adaptive or draft_loops,
-         f"--kv_policy={kv_policy} decides what exited tokens leave in the cache: add --exit_threshold"),
-        (draft_loops or speculate is None, f"--speculate={speculate} is the draft length: add --draft_loops"),
-        (draft_loops < R, f"--draft_loops={draft_loops}: drafts must use fewer loops than the {R} each "
-         f"token runs (1..{R - 1})"),
-        (not (draft_loops and adaptive), "--draft_loops gives fixed-depth tokens: drop --exit_threshold"),
-        (not (draft_loops and shared), "--draft_loops verifies with every loop's own slots: drop "
-         "--kv_policy=shared"),
-        # tied routing (§5): loops 2..R reuse loop 1's experts, from the same pass and the same rows
-        (not (cfg.tied_routing and adaptive), "--exit_threshold drops exited rows between loops, and this "
-         "model's tied_routing=True needs loop 1's experts for every row: drop --exit_threshold"),
-        (not (cfg.tied_routing and draft_loops), "--draft_loops verifies loops k+1.. in another pass, and "
-         "this model's tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops"),
-        # hyper-connections (§3): the lanes are carried from loop 1 within one pass, like tied routing
-        (not (cfg.hyper_lanes and (adaptive or draft_loops)), "--exit_threshold and --draft_loops run loop "
-         "k apart from loops 1..k-1, and this model's hyper-connection lanes are carried from loop 1 in one "
-         "pass: drop them")]
-    why = next((msg for ok, msg in rules if not ok), None)
-    if why is None and adaptive:
-        try:
-            exits.score_threshold(exit_policy, exit_threshold)  # within the policy's range
-        except ValueError as e:
-            why = f"--{e}"
-    return why

@@ -152,9 +152,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, kv=None, pos=0):
         B, T, C = x.size()
         q, k, v = self.qkv(x, rope)
-        # decoding (engine.py): the new keys and values join this visit's cache slot, and the T new
-        # tokens (a prompt at 0, or drafts to verify at pos > 0) see positions 0..pos+T-1; rows at their
-        # own positions (batching.py) also get a mask of the keys each one has
+        # decoding (engine.py): k, v join this visit's slot; queries see 0..pos+T-1 (rows at own pos: a mask)
         k, v, mask = kv.update(k, v, pos) if kv is not None else (k, v, None)
         # softmax(q k^T / sqrt(hs) + causal mask) v; the T queries are the last T of the keys
         dropout = self.attn_dropout if self.training else 0.0
@@ -357,11 +355,11 @@ class GPT(nn.Module):
 
     # ---- the loop ----
     def positions(self, pos, T):
-        # pos..pos+T-1: (T,), or (B, T) when pos (B,) holds each row's own start (batching.py)
-        rows = torch.is_tensor(pos)
-        n = (int(pos.max()) if rows else pos) + T
-        assert n <= self.config.block_size, f"{n} positions exceed block_size {self.config.block_size}"
-        return torch.arange(T, device=self.lm_head.weight.device) + (pos[:, None] if rows else pos)
+        # pos..pos+T-1: (T,), or (B, T) for rows at their own pos (B,), unchecked: no host sync (batching.py)
+        if torch.is_tensor(pos):
+            return pos[:, None] + torch.arange(T, device=pos.device)
+        assert pos + T <= self.config.block_size, f"{pos + T} positions exceed {self.config.block_size}"
+        return torch.arange(pos, pos + T, device=self.lm_head.weight.device)
 
     def embed(self, idx, pos=0):
         t = self.positions(pos, idx.size(1))
@@ -374,10 +372,9 @@ class GPT(nn.Module):
         # cos, sin at positions pos..pos+T-1: (T, hs/2), or (B, 1, T, hs/2) for rows at their own
         if self.config.pos != 'rope':
             return None
-        if not torch.is_tensor(pos):
-            return self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
         t = self.positions(pos, T)
-        return self.rope_cos[t][:, None], self.rope_sin[t][:, None]
+        cos, sin = self.rope_cos[t], self.rope_sin[t]
+        return (cos, sin) if t.dim() == 1 else (cos[:, None], sin[:, None])
 
     def untied(self, part, x, cache=None, pos=0):
         # the prelude or the coda (§4): dense blocks of their own, run once per pass, each with a slot
@@ -405,12 +402,28 @@ class GPT(nn.Module):
         # what loop k+1 reads of h_k: the inter-loop norm (§1), then the injection (§4)
         return self.inject(self.transformer.ln_loop(h), e)
 
+    @staticmethod
+    def loop_features(c):
+        # {key: why} of what loop k reads besides h_{k-1}, e and its slots, each keeping rows at other loops
+        # out of one round; 'pass': carried from loop 1 in one pass (no exit, no draft). New ones go here
+        return {key: why for key, on, why in (('hyper_lanes', c.hyper_lanes, 'pass: hyper-connection lanes '
+                                               'are carried from loop 1 (hyper-connections, hyper_lanes)'),
+            ('tied_routing', c.tied_routing, "pass: tied routing reads loop 1's experts"),
+            ('injection', c.injection == 'iso', "row: injection='iso' acts before loop 1 too"),
+            ('disjoint_routing', c.disjoint_routing, 'row: disjoint routing gives each loop its own experts'))
+            if on}
+
+    def round(self, h, e, k, cache, pos):
+        # one loop, one call per block, for rows each at its own loop k (B,), position pos (B,) and slots
+        x = torch.where((k == 1)[:, None, None], e, self.carry(h, e).to(e.dtype))  # loop 1 reads e
+        for j, block in enumerate(self.transformer.h):
+            x, _ = block(x, self.rope(pos, 1), cache.slot('loop', j, k), pos)
+        return x  # h_k (B, 1, C)
+
     def loops(self, x, e, ks, cache=None, pos=0):
-        """The recurrence h_k = blocks(carry(h_{k-1}, e)), h_0 = e, for the loops k in ks (in order:
-        range(1, R + 1) is a whole pass). x (B, T, C) is what the first of them reads: e for loop 1,
-        else h_{k-1}. Returns Loops([h_k for k in ks], routes): each h_k the state after loop k's
-        blocks, before any norm, where ||h_k|| is measured (docs/papers.md §1); routes the experts'
-        choice at every visit of a shared layer, in order (§5; [] when dense)."""
+        """h_k = blocks(carry(h_{k-1}, e)), h_0 = e, for k in ks (in order; range(1, R + 1): a pass) from x
+        (B, T, C), e or h_{k-1}: Loops([h_k], routes), h_k before any norm, where ||h_k|| is measured
+        (docs/papers.md §1); routes the experts' choice at every visit of a shared layer (§5; [] dense)."""
         cfg, rope, states, routes = self.config, self.rope(pos, x.size(1)), [], []
         last, b, grad = ks[-1], cfg.backprop_loops, torch.is_grad_enabled()
         lanes = e.expand(cfg.hyper_lanes, *e.shape) if cfg.hyper_lanes else None  # §3, L lanes
@@ -459,9 +472,9 @@ class GPT(nn.Module):
         h = self.transformer.ln_loop(h) if self.config.injection == 'iso' else h
         return self.readout_norm(self.untied('coda', h, cache, pos), k, R)
 
-    def readout(self, h, k):
-        # the logits of exit k (1-based) from its state h_k: (..., C) -> (..., V)
-        return self.lm_head(self.coda_readout(h, k))
+    def readout(self, h, k, cache=None, pos=0):
+        # the logits of exit k (1-based) from its state h_k: (..., C) -> (..., V); decoders pass the cache
+        return self.lm_head(self.coda_readout(h, k, cache, pos))
 
     def gate(self, z):
         # §4 (Ouro): lambda_k = sigmoid(w . z_k + b), P(stop at exit k | not before); z (..., C) -> (...)

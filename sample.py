@@ -18,8 +18,8 @@ import torch
 
 import checkpoint
 import configurator
-from batching import refusal, serve
-from engine import conflicts, generate
+from batching import serve
+from engine import Decoding, generate
 from errors import die
 from exits import EXIT_POLICIES, KV_POLICIES
 from hardware import pick_device
@@ -55,12 +55,7 @@ def main(argv=None):
                              dict(exit_policy=EXIT_POLICIES, kv_policy=KV_POLICIES))  # before the slow load
     if prompts and {'start', 'num_samples'} & explicit:
         die("--prompts decodes each line of its file once: drop --start and --num_samples")
-    flag = 'prompts' if prompts else 'start'
-    path = prompts or (start[5:] if start.startswith('FILE:') else '')
-    try:  # the prompts before the (slow) checkpoint load: a typo in a path fails at once
-        text = open(path, encoding='utf-8').read() if path else start
-    except (OSError, UnicodeDecodeError) as e:
-        die(f"--{flag} {prompts or start}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
+    text, flag = read_prompts()  # before the (slow) checkpoint load: a typo in a path fails at once
     dev, device_type = pick_device(device)
     torch.manual_seed(seed)  # every device's generator
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -76,50 +71,56 @@ def main(argv=None):
     if not all(rows):
         die(f"--{flag}: the prompt is empty (give some text, e.g. --start='\\n')")
     model = checkpoint.build_model(ckpt).eval().to(dev)  # the optimizer state is not needed to sample
-    R, adaptive = n_loop or model.config.n_loop, exit_threshold != -1
-    why = conflicts(model.config, R, exit_threshold if adaptive else None, exit_policy, kv_policy, kv_slots,
-                    draft_loops, speculate if 'speculate' in explicit else None)
-    if why or batch_size > 1 and (why := refusal(model.config, kv_policy, draft_loops)):
+    opts = Decoding(temperature, top_k or None, n_loop or None, None if exit_threshold == -1 else
+                    exit_threshold, exit_policy, kv_policy, kv_slots or None, draft_loops,
+                    speculate if 'speculate' in explicit else None, batch_size)
+    if why := opts.why_not(model.config):
         die(why)
-    mode = f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" if adaptive else \
-        f"fixed exit at loop {R}"
-    if draft_loops:
-        mode += f", self-speculative (drafts of {speculate} tokens from loop {draft_loops})"
-    if kv_policy != 'recompute':
-        mode += f", kv_policy={kv_policy}" + (f" ({kv_slots} slots)" if kv_slots else "")
-    if batch_size > 1:
-        mode += f", {batch_size} rows in flight"
-    print(f"sampling {len(rows)} x {max_new_tokens} tokens, {mode}, trained with "
+    R = opts.n_loop or model.config.n_loop
+    print(f"sampling {len(rows)} x {max_new_tokens} tokens, {mode(opts, R)}, trained with "
           f"n_loop={model.config.n_loop}, {dev}")
     t0 = time.time()
     with torch.no_grad(), ctx:
-        outs, used, stats = decode_rows(model, rows, R, exit_threshold if adaptive else None, dev)
+        outs, used, stats = decode_rows(model, rows, opts, dev)
     seconds = time.time() - t0
     for out in outs:
         print(decode(out) + '\n---------------')
-    used = torch.tensor([k for u in used for k in u], dtype=torch.float)
-    print(summary(used.numel(), used, seconds, R, adaptive, stats))
+    print(summary(torch.tensor([k for u in used for k in u], dtype=torch.float), seconds, R, opts, stats))
 
 
-def decode_rows(model, rows, R, threshold, dev):
-    # every prompt's tokens, the loops each new token used, and the decoding's counts
-    args = (max_new_tokens, temperature, top_k or None, R, threshold, exit_policy)
-    kw = dict(kv_policy=kv_policy, kv_slots=kv_slots or None)
-    if batch_size > 1:  # continuous depth batching: rows at their own loops share each block call
-        return serve(model, rows, args[0], batch_size, *args[1:], **kw)
-    outs, used, stats = [], [], Counter()
-    for ids in rows:  # one prompt at a time, as engine.generate decodes a batch
-        y, loops, counts = generate(model, torch.tensor([ids], device=dev), *args, draft_loops=draft_loops,
-                                    speculate=speculate, **kw)
-        outs, used = outs + [y[0].tolist()], used + [loops[0].tolist()]
-        stats.update(counts)
-    return outs, used, stats
+def read_prompts():  # the text of --prompts or --start (FILE:path reads a file), and its flag
+    flag = 'prompts' if prompts else 'start'
+    path = prompts or (start[5:] if start.startswith('FILE:') else '')
+    try:
+        return (open(path, encoding='utf-8').read() if path else start), flag
+    except (OSError, UnicodeDecodeError) as e:
+        die(f"--{flag} {prompts or start}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
 
 
-def summary(n, used, seconds, R, adaptive, stats):
+def mode(opts, R):  # the decoding in words, for the header line
+    words = f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" if opts.exit_threshold \
+        is not None else f"fixed exit at loop {R}"
+    if draft_loops:
+        words += f", self-speculative (drafts of {speculate} tokens from loop {draft_loops})"
+    if kv_policy != 'recompute':
+        words += f", kv_policy={kv_policy}" + (f" ({kv_slots} slots)" if kv_slots else "")
+    return words + (f", {batch_size} rows in flight" if batch_size > 1 else "")
+
+
+def decode_rows(model, rows, opts, dev):
+    # every prompt's tokens, the loops each new token used, the decoding's counts
+    if opts.batch_size > 1:  # continuous depth batching: rows at their own loops share each block call
+        return serve(model, rows, max_new_tokens, opts)
+    runs = [generate(model, torch.tensor([ids], device=dev), max_new_tokens, opts) for ids in rows]
+    return ([y[0].tolist() for y, _, _ in runs], [u[0].tolist() for _, u, _ in runs],
+            sum((Counter(c) for _, _, c in runs), Counter()))
+
+
+def summary(used, seconds, R, opts, stats):
     # every mode prints its speed: plain fixed-depth decoding is the baseline of the others
+    n, adaptive = used.numel(), opts.exit_threshold is not None
     depth = (f"mean loops used per token: {used.mean():.2f} of {R} (min {used.min():.0f}, "
-             f"max {used.max():.0f}, {used.numel()} tokens); ") if adaptive and n else ""
+             f"max {used.max():.0f}, {n} tokens); ") if adaptive and n else ""
     ok, checked = stats.get('accepted', 0), stats.get('checked', 0)
     drafts = f", {ok} of {checked} drafts accepted ({ok / checked:.0%})" if draft_loops and checked else ""
     return (f"{depth}{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"

@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from errors import Parser, die, duration
 from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
 import batching
-from engine import KVCache, generate
+from engine import Decoding, KVCache, generate
 from exits import KV_POLICIES, exit_score
 import kernels
 from kernels import LinearCrossEntropy
@@ -478,8 +478,8 @@ def time_decoding(run, model, prompt, n_new, threshold):
     def gen(use_cache, exit_threshold=None):
         def decode():
             torch.manual_seed(0)
-            return generate(model, prompt, n_new, temperature=1.0, use_cache=use_cache,
-                            exit_threshold=exit_threshold, exit_policy=EXIT_POLICY)
+            return generate(model, prompt, n_new, Decoding(temperature=1.0, use_cache=use_cache,
+                            exit_threshold=exit_threshold, exit_policy=EXIT_POLICY))
         return decode
     t = side_by_side({'cached': gen(True), 'adaptive': gen(True, threshold)}, run.device, 1,
                      min(3, run.repeats))
@@ -830,7 +830,7 @@ def decoder(model, prompt, n_new, last=None, name=None, stats=None, **kw):
     token it used go into last[name], its counts (engine.generate's) add up in the Counter stats."""
     def decode():
         torch.manual_seed(0)
-        _, used, counts = generate(model, prompt, n_new, temperature=1.0, **kw)
+        _, used, counts = generate(model, prompt, n_new, Decoding(temperature=1.0, **kw))
         if last is not None:
             last[name] = used
         if stats is not None:
@@ -942,7 +942,7 @@ def row_past_block(run):
     inside_s = (t['past_block_inside'] - t['past_block_prefill']) / (inside - 1)
     past_s = (t['past_block_all'] - t['past_block_inside']) / (n_new - inside)
     with torch.no_grad():
-        stats = generate(model, prompt, n_new, temperature=1.0)[2]
+        stats = generate(model, prompt, n_new, Decoding(temperature=1.0))[2]
     ratio = past_s / inside_s
     return {'past_block': dict(ratio=ratio, target='<= 1.5', met=ratio <= 1.5, inside_ms=inside_s * 1e3,
                                past_ms=past_s * 1e3, new_tokens=n_new, inside_tokens=inside,
@@ -1120,7 +1120,7 @@ def group_decoder(model, groups, n_new, last=None, name=None, **kw):
     today's batched path (a group waits for its slowest row); the loops per token go into last[name]."""
     def decode():
         torch.manual_seed(0)
-        used = [generate(model, g, n_new, temperature=1.0, **kw)[1] for g in groups]
+        used = [generate(model, g, n_new, Decoding(temperature=1.0, **kw))[1] for g in groups]
         if last is not None:
             last[name] = torch.cat(used)
     return decode
@@ -1145,7 +1145,7 @@ def depth_decoder(model, rows, n_new, B, last, name, **kw):
         batching.decode_step = timed
         try:
             torch.manual_seed(0)
-            _, used, stats = batching.serve(model, rows, n_new, batch_size=B, temperature=1.0, **kw)
+            _, used, stats = batching.serve(model, rows, n_new, Decoding(batch_size=B, temperature=1.0, **kw))
         finally:
             batching.decode_step = plain
         last[name], last[name + '_full'] = torch.tensor(used, dtype=torch.float), stats['full']

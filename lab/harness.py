@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
-from batching import refusal, serve
-from engine import generate
+from batching import serve
+from engine import Decoding, generate
 from errors import Parser, die, duration, first_line
 from prepare import checkpoint_meta, get_tokenizer
 from hardware import pick_device
@@ -134,16 +134,18 @@ class NanoLoop(LM):
         bs, out, groups = self.model.config.block_size, [None] * len(requests), {}
         for i, r in enumerate(requests):
             groups.setdefault(int(r.args[1].get('max_gen_toks', 256)), []).append(i)
-        rows = self.batch_size if refusal(self.model.config, 'recompute') is None else 1
+        rows = self.batch_size if Decoding(batch_size=2).why_not(self.model.config) is None else 1
         desc = f"generate_until, n_loop={self.n_loop}, {rows} rows in flight"
         for n, todo in tqdm(groups.items(), desc=desc, disable=disable_tqdm, mininterval=2):
             prompts = [self.tok(requests[i].args[0])[-bs:] or [self.prefix] for i in todo]
             with self.ctx:
                 if rows > 1:
-                    tokens = serve(self.model, prompts, n, rows, temperature=0, n_loop=self.n_loop)[0]
+                    opts = Decoding(batch_size=rows, temperature=0, n_loop=self.n_loop)
+                    tokens = serve(self.model, prompts, n, opts)[0]
                 else:
-                    tokens = [generate(self.model, torch.tensor([p], device=self._device), n, temperature=0,
-                                       n_loop=self.n_loop)[0][0].tolist() for p in prompts]
+                    opts = Decoding(temperature=0, n_loop=self.n_loop)
+                    ids = [torch.tensor([p], device=self._device) for p in prompts]
+                    tokens = [generate(self.model, p, n, opts)[0][0].tolist() for p in ids]
             for i, p, t in zip(todo, prompts, tokens):
                 until = requests[i].args[1].get('until') or []
                 text = self.decode(t[len(p):])

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
-from batching import refusal, serve
-from engine import generate
+from batching import serve
+from engine import Decoding, generate
 from errors import Parser, die
 from exits import EXIT_POLICIES, KV_POLICIES, score_threshold
 from prepare import checkpoint_meta, get_tokenizer
@@ -43,12 +43,13 @@ def paths(model, prompts, n, B, policies, thresholds, exit_policy):
         for i in range(0, len(prompts), B):  # a batch's rows share a length: one group per length
             group = prompts[i:i + B]
             for length in sorted({len(p) for p in group}):
-                generate(model, torch.tensor([p for p in group if len(p) == length]), n, temperature=0)
+                generate(model, torch.tensor([p for p in group if len(p) == length]), n,
+                         Decoding(temperature=0))
 
     def served(policy, threshold):
         def run():
-            _, used, stats = serve(model, prompts, n, batch_size=B, temperature=0, exit_threshold=threshold,
-                                   exit_policy=exit_policy, kv_policy=policy)
+            _, used, stats = serve(model, prompts, n, Decoding(batch_size=B, temperature=0,
+                                   exit_threshold=threshold, exit_policy=exit_policy, kv_policy=policy))
             return used, stats['full']
         return run
 
@@ -136,7 +137,7 @@ def main(argv=None):
         die(f"--prompts {args.prompts}: no prompts (one a line)")
     model = checkpoint.build_model(ckpt).eval()
     for p in policies:
-        if why := refusal(model.config, p):
+        if why := Decoding(batch_size=2, kv_policy=p, exit_threshold=0.5).why_not(model.config):
             die(why)
     clock = time.process_time if args.timer == 'process' else time.perf_counter
     B, n = args.batch_size, args.max_new_tokens

@@ -8,7 +8,7 @@ import batching
 import exits
 import kernels
 from batching import serve
-from engine import generate
+from engine import Decoding, generate
 from test_engine import V, tiny  # the engine tests' tiny model (V 48, block 16)
 from test_sample import run_main
 
@@ -20,7 +20,7 @@ def prompts(lengths=(3, 5, 2, 7, 4), seed=1):
 
 def alone(m, p, n, **kw):
     """generate's decoding of prompt p by itself: its tokens and the loops each new token used."""
-    out, used, _ = generate(m, torch.tensor([p]), n, temperature=0, **kw)
+    out, used, _ = generate(m, torch.tensor([p]), n, Decoding(temperature=0, **kw))
     return out[0].tolist(), used[0].tolist()
 
 
@@ -39,8 +39,8 @@ def test_a_key_mask_per_row_is_attention_over_that_rows_own_keys():
 def test_with_an_unreachable_threshold_every_row_decodes_its_prompt_as_alone(kw):
     # 5 prompts of other lengths on 3 rows, 30 tokens each: past the block size, so every window slides
     m, ps = tiny(**kw), prompts()
-    outs, used, stats = serve(m, ps, 30, batch_size=3, temperature=0, exit_threshold=1e9,
-                              exit_policy='margin')
+    outs, used, stats = serve(m, ps, 30, Decoding(batch_size=3, temperature=0, exit_threshold=1e9,
+                              exit_policy='margin'))
     for p, out, u in zip(ps, outs, used):
         assert (out, u) == alone(m, p, 30)
     assert stats['refills'] > len(ps)
@@ -57,7 +57,7 @@ def test_with_a_real_threshold_each_row_exits_and_decodes_as_at_batch_1(kv_polic
     with torch.no_grad():  # a readout a tenth as sure: its scores reach the thresholds at other loops
         m.lm_head.weight.mul_(0.1)
     kw = dict(exit_threshold=threshold, exit_policy=policy, kv_policy=kv_policy, kv_slots=kv_slots)
-    outs, used, _ = serve(m, ps, 20, batch_size=4, temperature=0, **kw)
+    outs, used, _ = serve(m, ps, 20, Decoding(batch_size=4, temperature=0, **kw))
     loops = [k for u in used for k in u[1:]]  # (the first token of each prompt runs every loop)
     assert len(set(loops) - {4}) >= 2  # the rows really exit early, at other loops
     for p, out, u in zip(ps, outs, used):
@@ -83,7 +83,7 @@ def test_a_skipped_slot_is_filled_before_the_rows_next_token_reads_it(kv_policy,
     monkeypatch.setattr(exits, 'score_at_exit', hashed)
     m, ps = tiny(pos='rope', n_coda=1, injection='add'), prompts(lengths)
     kw = dict(exit_threshold=0.7, exit_policy='maxprob', kv_policy=kv_policy, kv_slots=kv_slots)
-    outs, used, _ = serve(m, ps, n, batch_size=2, temperature=0, **kw)
+    outs, used, _ = serve(m, ps, n, Decoding(batch_size=2, temperature=0, **kw))
     loops = [k for u in used for k in u[1:]]
     assert set(loops) == {1, 2, 3, 4}  # tokens exit at every loop
     for p, out, u in zip(ps, outs, used):
@@ -95,21 +95,23 @@ def test_the_learned_gate_exits_as_at_batch_1():
     with torch.no_grad():
         m.exit_gate.bias.fill_(-1.0)  # lambda near 0.27: rows leave after one, two or more loops
     ps = prompts()
-    outs, used, _ = serve(m, ps, 20, batch_size=3, temperature=0, exit_threshold=0.5, exit_policy='gate')
+    outs, used, _ = serve(m, ps, 20, Decoding(batch_size=3, temperature=0, exit_threshold=0.5,
+                                              exit_policy='gate'))
     for p, out, u in zip(ps, outs, used):
         assert (out, u) == alone(m, p, 20, exit_threshold=0.5, exit_policy='gate')
 
 
 def test_rows_at_different_loops_share_one_block_call(monkeypatch):
     m, ps, seen = tiny(), prompts(), []
-    loops = m.loops
+    loops = m.round
 
     def spy(x, e, ks, cache=None, pos=0):
         if getattr(cache, 'loops', None) is not None:  # a call of serve: each row at its own loop
             seen.append(cache.loops.clone())
         return loops(x, e, ks, cache, pos)
-    monkeypatch.setattr(m, 'loops', spy)
-    outs, used, stats = serve(m, ps, 12, batch_size=3, temperature=0, exit_threshold=1e-3, exit_policy='kl')
+    monkeypatch.setattr(m, 'round', spy)
+    outs, used, stats = serve(m, ps, 12, Decoding(batch_size=3, temperature=0, exit_threshold=1e-3,
+                                                  exit_policy='kl'))
     assert stats['calls'] == len(seen)
     assert any(len(set(ks.tolist())) > 1 for ks in seen)  # one call, rows at other loops
     # every loop a row ran is one row of one call, but the prefills': a prompt's (its first token) and a
@@ -122,9 +124,9 @@ def test_rows_at_different_loops_share_one_block_call(monkeypatch):
 
 def test_a_freed_row_takes_the_next_prompt_and_outputs_keep_the_prompts_order():
     m, ps = tiny(), prompts(lengths=(2, 9, 4, 3, 6, 5, 8))
-    outs, used, _ = serve(m, ps, 6, batch_size=2, temperature=0, exit_threshold=0.06)
+    outs, used, _ = serve(m, ps, 6, Decoding(batch_size=2, temperature=0, exit_threshold=0.06))
     assert [o[:len(p)] for o, p in zip(outs, ps)] == ps and all(len(u) == 6 for u in used)
-    assert serve(m, ps, 0, batch_size=2)[0] == ps  # nothing asked: the prompts come back
+    assert serve(m, ps, 0, Decoding(batch_size=2))[0] == ps  # nothing asked: the prompts come back
 
 
 def test_prompts_take_their_passes_a_batch_at_a_time_while_rows_free_one_by_one():
@@ -132,7 +134,7 @@ def test_prompts_take_their_passes_a_batch_at_a_time_while_rows_free_one_by_one(
     # go through their prompt pass two at a time (the second waits, passed, for the next free row)
     m, ps = tiny(), prompts(lengths=(3, 5, 2, 7, 4, 6, 3, 5))
     kw = dict(exit_threshold=1e-3, exit_policy='kl')
-    outs, used, stats = serve(m, ps, 6, batch_size=2, temperature=0, **kw)
+    outs, used, stats = serve(m, ps, 6, Decoding(batch_size=2, temperature=0, **kw))
     assert stats['refills'] == 0 and stats['passes'] == 4
     assert len({sum(u) for u in used}) > 1  # the requests took other numbers of calls
     for p, out, u in zip(ps, outs, used):
@@ -143,10 +145,10 @@ def test_prompts_take_their_passes_a_batch_at_a_time_while_rows_free_one_by_one(
                                      (dict(injection='iso'), "injection='iso'"),
                                      (dict(n_expert=4, tied_routing=True), 'tied routing')])
 def test_models_whose_loop_is_more_than_its_slots_are_refused_in_one_line(kw, says):
-    why = batching.refusal(tiny(**kw).config, 'recompute')
+    why = Decoding(batch_size=2).why_not(tiny(**kw).config)
     assert says in why and '--batch_size=1' in why and '\n' not in why
-    assert 'active' in batching.refusal(tiny().config, 'active')
-    assert 'draft_loops' in batching.refusal(tiny().config, 'copy', draft_loops=1)
+    assert 'active' in Decoding(batch_size=2, kv_policy='active', exit_threshold=0.5).why_not(tiny().config)
+    assert 'draft_loops' in Decoding(batch_size=2, kv_policy='copy', draft_loops=1).why_not(tiny().config)
 
 
 def test_sample_decodes_a_file_of_prompts_in_order_with_rows_in_flight(tiny_data, tiny_ckpt, tmp_path,
@@ -188,8 +190,8 @@ def test_rows_in_flight_decode_under_bf16_autocast_and_in_bf16_weights(autocast)
     if not autocast:
         m = m.to(torch.bfloat16)
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
-        outs, used, _ = serve(m, ps, 8, batch_size=3, temperature=0, exit_threshold=0.06)
-        generate(m, torch.tensor([p[:2] for p in ps]), 4, temperature=0, exit_threshold=0.06)
+        outs, used, _ = serve(m, ps, 8, Decoding(batch_size=3, temperature=0, exit_threshold=0.06))
+        generate(m, torch.tensor([p[:2] for p in ps]), 4, Decoding(temperature=0, exit_threshold=0.06))
     assert all(len(u) == 8 for u in used) and all(len(o) == len(p) + 8 for o, p in zip(outs, ps))
 
 
@@ -243,3 +245,33 @@ def test_serve_bench_answers_help_with_its_flags(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert all(f in out for f in ('--prompts', '--thresholds', '--kv_policy', '--repeats'))
+
+
+@pytest.mark.parametrize('kw,opts', [(dict(), dict(exit_threshold=1e9, exit_policy='margin')),
+                                     (dict(readout='final_only', pos='rope', n_coda=1, injection='add'),
+                                      dict(exit_threshold=1e-2, exit_policy='kl'))])
+def test_the_decode_step_reads_nothing_back_to_the_host(kw, opts, monkeypatch):
+    # the step of depth batching (every place one loop, readout, exit score, who exits) is a function of
+    # tensors: a host read planted in it (item, tolist, bool or int of a tensor) fails here
+    m, ps, steps = tiny(**kw), prompts(), []
+    plain = batching.step
+
+    def guarded(*args):
+        def sync(*a, **k):
+            raise AssertionError('a host sync inside the decode step')
+        with monkeypatch.context() as mp:
+            for name in ('item', 'tolist', '__bool__', '__int__'):
+                mp.setattr(torch.Tensor, name, sync)
+            steps.append(plain(*args))
+        return steps[-1]
+    monkeypatch.setattr(batching, 'step', guarded)
+    outs, used, _ = serve(m, ps, 8, Decoding(batch_size=3, temperature=0, **opts))
+    assert steps and all(len(u) == 8 for u in used)
+    real = batching.readout
+
+    def planted(model, h, ks, view, pos):
+        int(ks.max())  # a host read, as an exit decision read back at every call would be
+        return real(model, h, ks, view, pos)
+    monkeypatch.setattr(batching, 'readout', planted)
+    with pytest.raises(AssertionError, match='host sync'):
+        serve(m, ps, 2, Decoding(batch_size=3, temperature=0, **opts))

@@ -9,7 +9,7 @@ import torch
 
 import engine
 import exits
-from engine import KVCache, decode_step, generate, speculate_round
+from engine import Decoding, KVCache, decode_step, generate, speculate_round
 from exits import adaptive_forward, adaptive_step
 from model import GPT, GPTConfig
 from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
@@ -32,8 +32,8 @@ def prompts(B=3, n=4, seed=1):
 
 def test_recompute_with_a_threshold_that_never_exits_is_fixed_depth_decoding():
     m, x = tiny(), prompts()
-    fixed, _, _ = generate(m, x, 10, temperature=0)
-    never, used, _ = generate(m, x, 10, temperature=0, exit_threshold=1.0)  # maxprob never reaches 1
+    fixed, _, _ = generate(m, x, 10, Decoding(temperature=0))
+    never, used, _ = generate(m, x, 10, Decoding(temperature=0, exit_threshold=1.0))  # maxprob never gets 1
     assert torch.equal(never, fixed) and used.eq(4).all()
 
 
@@ -42,18 +42,18 @@ def test_recompute_with_a_threshold_that_never_exits_is_fixed_depth_decoding():
 def test_every_policy_that_runs_all_loops_is_fixed_depth_decoding(policy, kv_slots):
     # a threshold only the last exit reaches: every token runs R loops, nothing is skipped
     m, x = tiny(), prompts()
-    fixed, _, _ = generate(m, x, 10, temperature=0)
-    out, used, _ = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
-                         kv_policy=policy, kv_slots=kv_slots)
+    fixed, _, _ = generate(m, x, 10, Decoding(temperature=0))
+    out, used, _ = generate(m, x, 10, Decoding(temperature=0, exit_threshold=1e9, exit_policy='margin',
+                         kv_policy=policy, kv_slots=kv_slots))
     assert torch.equal(out, fixed) and used.eq(4).all()
 
 
 def test_shared_slots_fewer_than_loops_decode_as_their_own_fixed_depth():
     # with kv_slots < R the cache itself is an approximation; exits that never fire change nothing more
     m, x = tiny(), prompts()
-    fixed, _, _ = generate(m, x, 10, temperature=0, kv_policy='shared', kv_slots=2)
-    out, _, _ = generate(m, x, 10, temperature=0, exit_threshold=1e9, exit_policy='margin',
-                      kv_policy='shared', kv_slots=2)
+    fixed, _, _ = generate(m, x, 10, Decoding(temperature=0, kv_policy='shared', kv_slots=2))
+    out, _, _ = generate(m, x, 10, Decoding(temperature=0, exit_threshold=1e9, exit_policy='margin',
+                      kv_policy='shared', kv_slots=2))
     assert torch.equal(out, fixed)
 
 
@@ -155,10 +155,10 @@ def test_batched_exits_under_each_policy_equal_decoding_each_row_alone(policy):
         h1 = m.run(x, n_loop=1).states[0]
         t = m.readout(h1, 1).softmax(-1).amax(-1).median().item()  # about half the tokens exit at loop 1
     kw = dict(temperature=0, exit_threshold=t, kv_policy=policy, kv_slots=2)
-    both, used, _ = generate(m, x, 8, **kw)
+    both, used, _ = generate(m, x, 8, Decoding(**kw))
     assert len(set(used[:, 1:].flatten().tolist())) > 1
     for b in range(4):
-        alone, alone_used, _ = generate(m, x[b:b + 1], 8, **kw)
+        alone, alone_used, _ = generate(m, x[b:b + 1], 8, Decoding(**kw))
         assert torch.equal(alone[0], both[b]) and torch.equal(alone_used[0], used[b]), b
 
 
@@ -204,7 +204,7 @@ def logits_of_each_step(monkeypatch, *args, **kw):
     """generate(*args, **kw), the logits (B, V) each new token was picked from, and generate's counts."""
     seen, pick = [], engine.pick
     monkeypatch.setattr(engine, 'pick', lambda logits, *a: seen.append(logits.clone()) or pick(logits, *a))
-    out, _, stats = generate(*args, **kw)
+    out, _, stats = generate(*args, Decoding(**kw))
     monkeypatch.undo()
     return out, seen, stats
 
@@ -231,7 +231,7 @@ def test_cached_decoding_past_the_block_size_equals_recompute_on_the_same_window
 def test_refills_come_every_half_block():
     m, x = tiny(n_loop=1), prompts(B=1, n=T)  # a full first window: the first new token slides it
     for n in (40, 80, 160):
-        stats = generate(m, x, n, temperature=0)[2]
+        stats = generate(m, x, n, Decoding(temperature=0))[2]
         # a window refilled with T/2 tokens slides again when it would hold T + 1: every T/2 + 1 tokens
         assert stats['refills'] == math.ceil((n - 1) / (T // 2 + 1)), n
         assert 0.8 * 2 * n / T <= stats['refills'] <= 2 * n / T
@@ -246,11 +246,11 @@ def test_greedy_self_speculative_decoding_is_fixed_R_greedy_for_every_k_and_gamm
     if 'injection' in kw:
         with torch.no_grad():  # an adapter that mixes e in: other tokens at other depths
             m.transformer.adapter.weight.add_(0.5 * torch.randn_like(m.transformer.adapter.weight))
-    fixed, _, _ = generate(m, x, 30, temperature=0)  # 4 + 30 tokens: past the block size too
+    fixed, _, _ = generate(m, x, 30, Decoding(temperature=0))  # 4 + 30 tokens: past the block size too
     rates = []
     for k in range(1, 4):
         for gamma in range(1, 5):
-            out, used, stats = generate(m, x, 30, temperature=0, draft_loops=k, speculate=gamma)
+            out, used, stats = generate(m, x, 30, Decoding(temperature=0, draft_loops=k, speculate=gamma))
             assert torch.equal(out, fixed), (k, gamma)
             assert used.shape == (2, 30) and used.eq(4).all()
             assert 0 <= stats['accepted'] <= stats['checked'] <= stats['drafted']
@@ -262,7 +262,7 @@ def test_rejected_drafts_leave_nothing_stale_in_the_cache():
     # after a round, every kept position's slots hold what fixed-R decoding writes there
     m, x = tiny(n_coda=1), prompts(B=1, seed=2)
     fixed_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
-    out, _, _ = generate(m, x, 12, temperature=0, draft_loops=1, speculate=4)
+    out, _, _ = generate(m, x, 12, Decoding(temperature=0, draft_loops=1, speculate=4))
     decode_step(m, out[:, :-1], fixed_cache, 0, 4)
     spec_cache = KVCache(m, 1, 4, 'cpu', torch.float32)
     decode_step(m, x, spec_cache, 0, 4)
@@ -332,14 +332,14 @@ def test_speculative_sampling_follows_fixed_R_sampling(k, gamma, batch, temperat
     stats = Counter()
     if batch:  # rows in one batch (a round keeps tokens up to the first row's rejection)
         torch.manual_seed(0)
-        out, _, stats = generate(m, x.expand(N, -1), 3, temperature=temperature, top_k=top_k, draft_loops=k,
-                                 speculate=gamma)
+        out, _, stats = generate(m, x.expand(N, -1), 3, Decoding(temperature=temperature, top_k=top_k,
+                                                                 draft_loops=k, speculate=gamma))
     else:      # one sequence per seed: later drafts are accepted too
         runs = []
         for seed in range(N):
             torch.manual_seed(seed)
-            out, _, counts = generate(m, x, 3, temperature=temperature, top_k=top_k, draft_loops=k,
-                                      speculate=gamma)
+            out, _, counts = generate(m, x, 3, Decoding(temperature=temperature, top_k=top_k, draft_loops=k,
+                                      speculate=gamma))
             runs.append(out)
             stats.update(counts)
         out = torch.cat(runs)
@@ -472,7 +472,7 @@ def test_hyper_connection_lanes_refuse_early_exits_and_drafts_in_one_line(kw):
     m = tiny(hyper_lanes=2, inter_loop_norm='rmsnorm')
     options = dict(exit_threshold=None, exit_policy='maxprob', kv_policy='recompute', kv_slots=0,
                    draft_loops=0, speculate=None) | kw
-    why = engine.conflicts(m.config, 4, **options)
+    why = Decoding(**options).why_not(m.config)
     assert 'hyper-connection lanes' in why and '\n' not in why
     with pytest.raises(AssertionError, match='hyper_lanes'):
-        generate(m, prompts(B=1), 2, **kw)
+        generate(m, prompts(B=1), 2, Decoding(**kw))

@@ -21,7 +21,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 import checkpoint  # noqa: E402
 import harness  # noqa: E402
 from conftest import save_tiny_checkpoint, tiny_text  # noqa: E402
-from engine import generate  # noqa: E402
+from engine import Decoding, generate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / 'tests' / 'data' / 'harness'
@@ -121,7 +121,7 @@ def test_generate_until_is_greedy_generate_cut_at_the_stop_string(deep):
     for k in (1, 2):
         lm.n_loop = k
         ctx = DOCS[0]['context']
-        y, _, _ = generate(model, torch.tensor([ids(ctx)]), 20, temperature=0, n_loop=k)
+        y, _, _ = generate(model, torch.tensor([ids(ctx)]), 20, Decoding(temperature=0, n_loop=k))
         full = decode(y[0, len(ctx):].tolist())
         texts.add(full)
         stop = full[5]  # a character it does produce: the answer is the text before its first occurrence
@@ -140,8 +140,8 @@ def test_generate_until_decodes_many_requests_in_flight_as_each_alone(deep):
     asks = [(DOCS[i % len(DOCS)]['context'][:20 + 7 * i], n) for i, n in enumerate((12, 20, 12, 7, 20))]
     reqs = [Instance('generate_until', {}, (ctx, {'until': ['never'], 'max_gen_toks': n}), 0)
             for ctx, n in asks]
-    want = [lm.decode(generate(model, torch.tensor([ids(ctx)]), n, temperature=0, n_loop=2)[0][0, len(ctx):]
-                      .tolist()) for ctx, n in asks]
+    want = [lm.decode(generate(model, torch.tensor([ids(ctx)]), n, Decoding(temperature=0, n_loop=2))[0][0,
+                      len(ctx):].tolist()) for ctx, n in asks]
     assert lm.generate_until(reqs) == want and len(set(want)) > 1
 
 

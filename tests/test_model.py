@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from configurator import MODEL_CHOICES, check_model
-from engine import KVCache, decode_step, generate
+from engine import Decoding, KVCache, decode_step, generate
 from exits import THRESHOLD_RANGES, adaptive_step
 from hardware import attention_path, auto_dtype, peak_flops
 from kernels import LinearCrossEntropy, attention
@@ -543,8 +543,8 @@ def test_cached_decoding_equals_full_recompute(kw):
     idx, _ = batch(B=2)
     # 4 prompt tokens + 30 new tokens runs past block_size 16, so the cache is also rebuilt after the crop
     for n_loop in (None, 5):
-        fast, _, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop)
-        slow, _, _ = generate(m, idx[:, :4], 30, temperature=0, n_loop=n_loop, use_cache=False)
+        fast, _, _ = generate(m, idx[:, :4], 30, Decoding(temperature=0, n_loop=n_loop))
+        slow, _, _ = generate(m, idx[:, :4], 30, Decoding(temperature=0, n_loop=n_loop, use_cache=False))
         assert torch.equal(fast, slow), n_loop
 
 
@@ -566,7 +566,7 @@ def middle_exit(m, prompt, policy):
     confident loop), with that token's exit logits (R, B, V). The token is decoded after the first new one,
     whose prompt pass runs all loops, so its per-loop states are those of the full forward."""
     with torch.no_grad():
-        logits = exit_logits(m, generate(m, prompt, 1, temperature=0)[0])
+        logits = exit_logits(m, generate(m, prompt, 1, Decoding(temperature=0))[0])
     s = confidence(logits, policy)[:, 0]
     assert s[1] > s[0] + 1e-3, s  # the set-up: loop 2 is more confident than loop 1
     return (s[0] + s[1]).item() / 2, logits
@@ -577,16 +577,17 @@ def test_adaptive_exit_uses_the_first_confident_loop(policy):
     m = tiny(n_loop=4).eval()
     prompt = batch(B=4)[0][3:, :4]
     # threshold 0: every token exits at loop 1 (the first new token is read off the prompt pass: all loops)
-    _, used, _ = generate(m, prompt, 6, temperature=0, exit_threshold=0.0, exit_policy=policy)
+    _, used, _ = generate(m, prompt, 6, Decoding(temperature=0, exit_threshold=0.0, exit_policy=policy))
     assert used.tolist() == [[4] + [1] * 5]
     # unreachable (the top of the policy's range): every token runs all R loops, which is fixed exit at R
     top = THRESHOLD_RANGES[policy][1]
-    never, used, _ = generate(m, prompt, 6, temperature=0, exit_threshold=min(top, 1e9), exit_policy=policy)
+    never, used, _ = generate(m, prompt, 6, Decoding(temperature=0, exit_threshold=min(top, 1e9),
+                                                     exit_policy=policy))
     assert used.tolist() == [[4] * 6]
-    assert torch.equal(never, generate(m, prompt, 6, temperature=0)[0])
+    assert torch.equal(never, generate(m, prompt, 6, Decoding(temperature=0))[0])
     # a threshold only loop 2 reaches: the token stops at loop 2 and is loop 2's argmax
     t, logits = middle_exit(m, prompt, policy)
-    out, used, _ = generate(m, prompt, 2, temperature=0, exit_threshold=t, exit_policy=policy)
+    out, used, _ = generate(m, prompt, 2, Decoding(temperature=0, exit_threshold=t, exit_policy=policy))
     assert used.tolist() == [[4, 2]]
     assert out[0, -1].item() == logits[1, 0].argmax().item() != logits[3, 0].argmax().item()
 
@@ -602,19 +603,19 @@ def test_batched_adaptive_decoding_equals_decoding_each_row_alone(policy):
             block.attn.c_proj.weight.mul_(3.0)
     prompts = torch.randint(0, V, (8, 4), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logits = exit_logits(m, generate(m, prompts, 1, temperature=0)[0])  # (R, B, V), second new token
+        logits = exit_logits(m, generate(m, prompts, 1, Decoding(temperature=0))[0])  # (R, B, V), 2nd token
     s = confidence(logits, policy)
     r = (s[1] - s[0]).argmax()
     t = (s[0, r] + s[1, r]).item() / 2  # row r's first confident loop is loop 2
     # each row's first confident loop, else R
     first = torch.where(s[:3] >= t, torch.arange(1, 4)[:, None], 4).min(0).values
     assert (s - t).abs().min() > 1e-4 and len(set(first.tolist())) >= 2, (s, t)
-    both, used, _ = generate(m, prompts, 14, temperature=0, exit_threshold=t, exit_policy=policy)
+    both, used, _ = generate(m, prompts, 14, Decoding(temperature=0, exit_threshold=t, exit_policy=policy))
     assert torch.equal(used[:, 1], first.float())
     assert torch.equal(both[:, 5], logits[first - 1, torch.arange(8)].argmax(-1))
     for row in range(8):
-        alone, alone_used, _ = generate(m, prompts[row:row + 1], 14, temperature=0, exit_threshold=t,
-                                     exit_policy=policy)
+        alone, alone_used, _ = generate(m, prompts[row:row + 1], 14, Decoding(temperature=0, exit_threshold=t,
+                                     exit_policy=policy))
         assert torch.equal(alone[0], both[row]) and torch.equal(alone_used[0], used[row]), row
 
 

@@ -27,7 +27,7 @@ from test_train import REPO, TINY, cli_env, read_metrics, run_train, write_data
 
 import kernels
 from configurator import check_model
-from engine import generate
+from engine import Decoding, generate
 from accounting import active_params, flops_per_token
 from model import GPT, MLP, GPTConfig, MoE, Route, activation, router_losses
 
@@ -303,8 +303,7 @@ def test_disjoint_routing_refuses_shares_too_small_for_top_k_and_tied_routing(kw
 def test_depth_batching_refuses_disjoint_routing_in_one_line():
     # rows at different loops share a call that GPT.loops runs as loop 1: each loop's own experts
     # cannot be told apart there, so serve would route every row among loop 1's share
-    from batching import refusal
-    why = refusal(tiny(n_loop=2, n_expert=8, disjoint_routing=True).config, 'recompute')
+    why = Decoding(batch_size=2).why_not(tiny(n_loop=2, n_expert=8, disjoint_routing=True).config)
     assert why and 'disjoint routing' in why and '--batch_size=1' in why and '\n' not in why
 
 # ---------------------------------------------------------------- what a token costs
@@ -365,9 +364,9 @@ def test_cached_decoding_equals_recompute_with_moe_blocks(kw, monkeypatch):
 def test_greedy_self_speculative_decoding_equals_fixed_depth_with_moe_blocks(kw):
     m = tiny(n_loop=4, **kw).eval()
     x = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(1))
-    fixed, _, _ = generate(m, x, 20, temperature=0)
+    fixed, _, _ = generate(m, x, 20, Decoding(temperature=0))
     for k, gamma in ((1, 3), (2, 4), (3, 2)):
-        out, _, stats = generate(m, x, 20, temperature=0, draft_loops=k, speculate=gamma)
+        out, _, stats = generate(m, x, 20, Decoding(temperature=0, draft_loops=k, speculate=gamma))
         assert torch.equal(out, fixed), (k, gamma)
         assert stats['checked'] > 0
 
@@ -469,7 +468,7 @@ def test_tied_routing_refuses_early_exits_and_self_speculative_decoding(flags, s
     assert code == 0, err
     with pytest.raises(AssertionError, match='tied_routing'):  # and the library call says so too
         generate(GPT(GPTConfig(**torch.load(tied_ckpt / 'ckpt.pt', weights_only=True)['model_args'])),
-                 torch.zeros(1, 2, dtype=torch.long), 2, draft_loops=1)
+                 torch.zeros(1, 2, dtype=torch.long), 2, Decoding(draft_loops=1))
 
 
 DDP_HOOKS = textwrap.dedent('''

@@ -23,7 +23,7 @@ from test_reliability import assert_clean_error, model_tensors_equal, torchrun_u
 import diagnostics
 import eval_depth
 from configurator import check_model
-from engine import generate
+from engine import Decoding, generate
 from exits import score_at_exit, score_threshold
 from accounting import flops_per_token
 from model import GPT, GPTConfig, exit_distribution
@@ -174,12 +174,12 @@ def test_kl_exit_never_stops_at_the_first_loop_and_gate_exit_follows_the_cumulat
     m = tiny(n_loop=4, exit_gate='learned').eval()
     prompt = batch(B=2)[0][:, :4]
     # KL <= a huge bound holds from exit 2 on; there is no KL at exit 1
-    _, used, _ = generate(m, prompt, 5, temperature=0, exit_threshold=1e9, exit_policy='kl')
+    _, used, _ = generate(m, prompt, 5, Decoding(temperature=0, exit_threshold=1e9, exit_policy='kl'))
     assert used[:, 1:].eq(2).all()
     # a cumulative exit probability >= 0 holds at once; >= 1 is reached only by the last exit
-    _, used, _ = generate(m, prompt, 5, temperature=0, exit_threshold=0.0, exit_policy='gate')
+    _, used, _ = generate(m, prompt, 5, Decoding(temperature=0, exit_threshold=0.0, exit_policy='gate'))
     assert used[:, 1:].eq(1).all()
-    _, used, _ = generate(m, prompt, 5, temperature=0, exit_threshold=1.0, exit_policy='gate')
+    _, used, _ = generate(m, prompt, 5, Decoding(temperature=0, exit_threshold=1.0, exit_policy='gate'))
     assert used.eq(4).all()
     with pytest.raises(ValueError, match=r"exit_threshold=1.5 is outside \[0, 1\].*'gate'"):
         score_threshold('gate', 1.5)
@@ -191,8 +191,8 @@ def test_cached_decoding_equals_uncached_with_prelude_coda_and_injection():
     with torch.no_grad():
         m.transformer.adapter.weight.add_(0.3 * torch.randn_like(m.transformer.adapter.weight))
     prompt = batch(B=2)[0][:, :5]
-    cached, _, _ = generate(m, prompt, 20, temperature=0)
-    assert torch.equal(cached, generate(m, prompt, 20, temperature=0, use_cache=False)[0])
+    cached, _, _ = generate(m, prompt, 20, Decoding(temperature=0))
+    assert torch.equal(cached, generate(m, prompt, 20, Decoding(temperature=0, use_cache=False))[0])
 
 
 def test_adaptive_decoding_with_a_coda_equals_decoding_each_row_alone():
@@ -203,11 +203,12 @@ def test_adaptive_decoding_with_a_coda_equals_decoding_each_row_alone():
         scores = torch.stack([score_at_exit(m, 'margin', None, m.readout(h, k)[:, -1])[0] for k, h in
                               enumerate(m.run(prompts).states, 1)])
     t = float(scores[:3].median())
-    together, used, _ = generate(m, prompts, 6, temperature=0, exit_threshold=t, exit_policy='margin')
+    together, used, _ = generate(m, prompts, 6, Decoding(temperature=0, exit_threshold=t,
+                                                         exit_policy='margin'))
     assert len(set(used[:, 1:].flatten().tolist())) > 1  # the rows really do exit at different loops
     for i in range(prompts.size(0)):
-        alone, alone_used, _ = generate(m, prompts[i:i + 1], 6, temperature=0, exit_threshold=t,
-                                     exit_policy='margin')
+        alone, alone_used, _ = generate(m, prompts[i:i + 1], 6, Decoding(temperature=0, exit_threshold=t,
+                                     exit_policy='margin'))
         assert torch.equal(alone, together[i:i + 1]) and torch.equal(alone_used, used[i:i + 1])
 
 
