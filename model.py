@@ -1,14 +1,12 @@
 """
 A looped (weight-tied, depth-recurrent) GPT language model in one file.
 
-A looped transformer keeps K distinct layers (`n_layer`) and runs that stack R times (`n_loop`):
-the unrolled depth is N = K*R, the parameters are those of K layers. Each round ("loop") ends in an
-exit, where the state h_k can be read out into logits: per-loop supervision and early exits.
+A looped transformer keeps K distinct layers (`n_layer`) and runs that stack R times (`n_loop`): the
+unrolled depth is N = K*R, the parameters those of K layers. Each round ("loop") ends in an exit, where
+the state h_k can be read out into logits: per-loop supervision and early exits.
 
-GPTConfig groups its keys by the paper each implements (formulas and numbers in docs/papers.md):
-the readout blind spot (§1), DeepLoop's depth-scaled post-norm blocks (§2), loop-scaled residuals
-(§3), the recurrent-depth family: prelude, coda, injection, sampled depth, exit gate (§4), and
-Looped-MoE's experts (§5).
+GPTConfig groups its keys by the paper each implements (docs/papers.md): the readout blind spot (§1),
+DeepLoop (§2), loop-scaled residuals (§3), the recurrent-depth family (§4), Looped-MoE's experts (§5).
 
 Where to look: the loop is GPT.loops, the readout GPT.readout_norm, the loss GPT.loss, the scaling
 rule GPTConfig.alpha and GPTConfig.beta. The speed kernels are in kernels.py; decoding (KV cache,
@@ -186,9 +184,8 @@ Route = namedtuple('Route', 'logits idx')  # one visit's routing: logits (BT, E)
 
 
 class MoE(nn.Module):
-    """Looped-MoE's feed-forward (docs/papers.md §5): E MLPs ("experts") and a router; each token
-    takes its top k. Token choice and dropless (no capacity): a token's experts never depend on the
-    rest of the batch, so cached decoding routes as recompute does."""
+    """Looped-MoE's feed-forward (docs/papers.md §5): E MLPs ("experts") and a router, each token to its top
+    k; dropless token choice: a token's experts never depend on the batch (cached decoding = recompute)."""
 
     def __init__(self, config):
         super().__init__()
@@ -265,9 +262,8 @@ class Block(nn.Module):
 
 
 class Lanes(nn.ParameterList):
-    """Hyper-connections (docs/papers.md §3): L lanes, each e at first, carry the recurrence. Per loop k
-    alpha_k (L), M_k (L x L), beta_k (L) in one 1-D tensor (no weight decay, no matrix init), at the
-    cyclic init alpha_k = e_(k-1 mod L), M_k = I, beta_k = 1, so that loop 1 is the plain loop."""
+    """Hyper-connections (§3): L lanes, e at first, carry the recurrence. Loop k's alpha_k (L), M_k (L x L),
+    beta_k (L) in one 1-D tensor (no decay), cyclic init alpha_k = e_(k-1 mod L), M_k = I, beta_k = 1."""
 
     def __init__(self, L, n_loop):
         I = torch.eye(L)
@@ -348,10 +344,8 @@ class GPT(nn.Module):
 
     def get_num_params(self, non_embedding=True):
         # parameters() yields a shared tensor once: the K layers once for all loops, a tied head once
-        n_params = sum(p.numel() for p in self.parameters())
-        if non_embedding and self.config.pos == 'learned':
-            n_params -= self.transformer.wpe.weight.numel()
-        return n_params
+        wpe = self.transformer.wpe.weight.numel() if non_embedding and self.config.pos == 'learned' else 0
+        return sum(p.numel() for p in self.parameters()) - wpe
 
     # ---- the loop ----
     def positions(self, pos, T):
@@ -392,10 +386,9 @@ class GPT(nn.Module):
         # W [e; s] (iso-depth, §3, which acts before loop 1 too, on s_0 = e)
         if self.config.injection == 'add':
             return x + e
-        if self.config.injection == 'concat':
-            return self.transformer.adapter(torch.cat([x, e], dim=-1))  # (B, T, 2C) -> (B, T, C)
-        if self.config.injection == 'iso':
-            return self.transformer.adapter(torch.cat([e, x], dim=-1))  # u = W [e; s]
+        if self.config.injection in ('concat', 'iso'):  # (B, T, 2C) -> (B, T, C)
+            pair = [x, e] if self.config.injection == 'concat' else [e, x]  # W [x; e] | u = W [e; s]
+            return self.transformer.adapter(torch.cat(pair, dim=-1))
         return x
 
     def carry(self, h, e):
@@ -458,9 +451,8 @@ class GPT(nn.Module):
 
     # ---- the readout ----
     def readout_norm(self, h, k, R=None):
-        # docs/papers.md §1: an RMSNorm/LayerNorm readout is scale-invariant, so dL/dh is orthogonal
-        # to h and the loss cannot see ||h||. 'raw' shows the scale; 'final_only' at exits 1..R-1,
-        # R the loops of this pass (a sampled depth's, in training), by default the trained n_loop
+        # docs/papers.md §1: an RMSNorm/LayerNorm readout is scale-invariant (dL/dh is orthogonal to h):
+        # 'raw' shows the scale; 'final_only' too at exits 1..R-1, R this pass's loops (default n_loop)
         cfg, R = self.config, self.config.n_loop if R is None else R
         if cfg.readout == 'raw' or (cfg.readout == 'final_only' and k < R):
             return h
@@ -492,8 +484,7 @@ class GPT(nn.Module):
         return [self.coda_readout(states[k - 1], k, R=R) for k in exits]
 
     def loss(self, out, targets, zs=None):
-        # the weighted exit CEs (or the gate's expected CE) of a pass's Loops, the norm penalty and
-        # the experts' router losses; zs: the exits' inputs, if the caller has them already
+        # the exit CEs (weighted, or the gate's expectation), norm penalty, router losses; zs: exit inputs
         cfg, W, states = self.config, self.lm_head.weight, out.states
         zs = self.exit_inputs(states) if zs is None else zs
         if cfg.exit_gate == 'learned':
@@ -505,8 +496,7 @@ class GPT(nn.Module):
             weights = tuple(w for w in self.exit_weights(len(states)) if w > 0)
             loss = kernels.LinearCrossEntropy.apply(W, targets, weights, torch.stack(zs))
         if cfg.norm_penalty > 0:
-            # §1: lambda * mean_k mean_{b,t,d} h_k^2 over the pre-norm states of all R loops, also
-            # when only the last loop is supervised
+            # §1: lambda * mean_k mean_{b,t,d} h_k^2 over all R pre-norm states, supervised or not
             loss = loss + cfg.norm_penalty * torch.stack([h.float().pow(2).mean() for h in states]).mean()
         if cfg.n_expert:
             balance, z = router_losses(out.routes)
@@ -523,8 +513,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def exit_metrics(self, idx, targets, n_loop=None):
-        # diagnostics: the CE at every exit 1..R, the mean per-token norm ||h_k|| of every loop, and
-        # the experts' (balance, z-loss) of this pass (None when dense)
+        # diagnostics: CE at every exit 1..R, mean per-token ||h_k|| per loop, experts' (balance, z) or None
         out, W = self.run(idx, n_loop), self.lm_head.weight
         ce = torch.stack([kernels.cross_entropy_chunked(self.coda_readout(h, k), W, targets)
                           for k, h in enumerate(out.states, start=1)])
@@ -548,13 +537,11 @@ class GPT(nn.Module):
 def init_weights(model):
     cfg, C, t = model.config, model.config.n_embd, model.transformer
     if cfg.init == 'reference':
-        # paper 1's code keeps PyTorch's defaults (Kaiming-uniform Linear, N(0, 1) embedding):
-        # the initial state norm is about sqrt(C) (docs/papers.md §1)
+        # paper 1's code: PyTorch's defaults (Kaiming-uniform Linear, N(0, 1) wte: ||h_0|| ~ sqrt(C), §1)
         nn.init.normal_(t.wte.weight, mean=0.0, std=1.0)
     else:
-        # N(0, 0.02) for every matrix and no residual scaling: DeepLoop's baseline ("standard init,
-        # no residual scaling", docs/papers.md §2), the same at every R. Depth scaling then only
-        # multiplies by beta below, so p -> 0 meets p = 0. (GPT-2's own 1/sqrt(2N) is not used.)
+        # N(0, 0.02) for every matrix, no residual scaling: DeepLoop's baseline (docs/papers.md §2), the
+        # same at every R; depth scaling only multiplies by beta below (GPT-2's 1/sqrt(2N) is not used)
         for p in model.parameters():
             if p.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
                 nn.init.normal_(p, mean=0.0, std=0.02)
