@@ -6,6 +6,7 @@ training the looped model from scratch at equal total FLOPs, and beat training t
     python lab/ablate.py retrofit --dry_run             # the runs, their steps, FLOPs and CPU time
     python lab/ablate.py retrofit --seeds=1 --pretrain_iters=200 --retrofit_iters=100   # a quick look
     python lab/ablate.py retrofit --report_only         # rebuild the report from the finished runs
+    python lab/ablate.py retrofit --retrofit_iters=2000 --out=out-ablate-retrofit-long --name=retrofit_long
 
 Per seed, on config/laptop_retrofit.py (shakespeare_char, d 128, GPT-2's layout):
     unique-s       a unique 6-layer model (n_loop 1), pretrain_iters steps
@@ -226,6 +227,7 @@ def mean_sd(xs):
 
 def report(runs, a, lines_head):
     by = arms([r for r in runs if r.get('done')])
+    os.makedirs(a.report_dir, exist_ok=True)
     lines = lines_head + ["| arm | seeds | steps | total TFLOP (pretraining counted) | val CE at its R "
                           "(mean ± sd) |", "|---|---|---|---|---|"]
     for arm, rs in by.items():
@@ -245,7 +247,6 @@ def report(runs, a, lines_head):
     lines += plot(by, a)
     lines += ["### Verdicts", ""] + [f"- {key}: {word} ({n} seed{'s' if n != 1 else ''}); {why}"
                                      for key, word, n, why in claims(by, a.loops)] + [""]
-    os.makedirs(a.report_dir, exist_ok=True)
     with open(os.path.join(a.report_dir, f'{a.name}.md'), 'w', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
     with open(os.path.join(a.report_dir, f'{a.name}.json'), 'w', encoding='utf-8') as f:

@@ -251,12 +251,15 @@ def test_the_sweeps_verdicts_come_from_the_rule():
         == {'inconclusive'}
 
 
-def test_the_committed_report_is_the_rule_on_its_runs():
-    # assets/retrofit.md's verdict lines are what claims() gives on assets/retrofit.json's runs
+@pytest.mark.parametrize('name', ['retrofit', 'retrofit_long'])
+def test_the_committed_report_is_the_rule_on_its_runs(name):
+    # assets/<name>.md's verdict lines are what claims() gives on assets/<name>.json's runs
     import json
-    runs = json.load(open(os.path.join(REPO, 'assets', 'retrofit.json')))
-    text = open(os.path.join(REPO, 'assets', 'retrofit.md')).read()
-    for key, word, n, why in sweep.claims(sweep.arms(runs), [2, 4]):
+    runs = json.load(open(os.path.join(REPO, 'assets', f'{name}.json')))
+    text = open(os.path.join(REPO, 'assets', f'{name}.md')).read()
+    verdicts = sweep.claims(sweep.arms(runs), [2, 4])
+    assert len(verdicts) == 8
+    for key, word, n, why in verdicts:
         assert f"- {key}: {word} ({n} seeds); {why}" in text
 
 
