@@ -101,8 +101,7 @@ def nanoloop_source(ckpt, path):
             blocks.append({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
     inside = tuple(f'transformer.{part}.' for part, _ in parts)
     rest = {k: v for k, v in sd.items() if not k.startswith(inside)}
-    keep = {k: v for k, v in args.items() if k not in LOOP_KEYS or k == 'block_size'}
-    return dict(args=keep, blocks=blocks, rest=rest, meta=ckpt.get('meta') or {}, name=path,
+    return dict(args=args, blocks=blocks, rest=rest, meta=ckpt.get('meta') or {}, name=path,
                 dataset=ckpt.get('dataset'))
 
 

@@ -75,6 +75,7 @@ HUBER_DELTA = 1e-3
 NAMES = ('a', 'b', 'e', 'alpha', 'beta', 'phi')
 BOX = ((-5, 35), (-5, 35), (-3, 2), (0, 2.5), (0, 2.5), (-3, 3))
 SAME = 1.1  # budgets (or a width's token counts) within 10 % of each other are one
+GROUPED = 'isodepth_grouped'  # --grouped's report under --report_dir (.md and .json)
 # the law has 6 free parameters: at least twice as many runs, so the fit has as many residual degrees of
 # freedom as parameters
 MIN_RUNS = 12
@@ -497,7 +498,8 @@ def grouped_verdicts(res):
 
 
 def grouped(args):
-    """--grouped: refit the report's CSVs by (budget, width) groups; <report_dir>/isodepth_grouped.md."""
+    """--grouped: refit the report's CSVs by (budget, width) groups; writes assets/isodepth_grouped.md
+    (under --report_dir)."""
     tables = {c: read_table(os.path.join(args.report_dir, f'isodepth_{c}.csv')) for c in CASES}
     res = dict(baseline=grouped_phi(tables['baseline'], args.starts, args.resamples, args.boot_starts,
                                     args.seed))
@@ -526,10 +528,10 @@ def grouped(args):
                      f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] | {PAPER_PHI[case] - PAPER_SUBSET_PHI:+.3f} |")
     lines += ["", "### Verdicts", ""] + [f"- {key}: {word} (1 seed); {why}"
                                          for key, word, why in grouped_verdicts(res)]
-    path = os.path.join(args.report_dir, 'isodepth_grouped.md')
+    path = os.path.join(args.report_dir, GROUPED + '.md')
     with open(path, 'w', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
-    with open(os.path.join(args.report_dir, 'isodepth_grouped.json'), 'w', encoding='utf-8') as f:
+    with open(os.path.join(args.report_dir, GROUPED + '.json'), 'w', encoding='utf-8') as f:
         json.dump(res, f, indent=1)
     print(f"report: {path}")
     return res
@@ -1127,7 +1129,8 @@ def parser():
     ap.add_argument('--report_only', action='store_true', help='fit the finished runs only, training none')
     ap.add_argument('--grouped', action='store_true',
                     help="refit <report_dir>/isodepth_<case>.csv resampling (budget, width) groups: phi's "
-                         "CI, the tests of phi = 0 and 1, delta phi on matched runs -> isodepth_grouped.md")
+                         "CI, the tests of phi = 0 and 1, delta phi on matched runs "
+                         "(assets/isodepth_grouped.md)")
     runner_flags(ap)
     ap.add_argument('--starts', type=int, default=500, help='random starts of each fit')
     ap.add_argument('--resamples', type=int, default=200, help='bootstrap resamples of the cells')

@@ -1222,8 +1222,8 @@ def report_header(preset, jobs, n_arms, args, sweep):
     train_minutes = sum(read_status(j['out_dir']).get('train_seconds', 0) for j in jobs) / 60
     if rebuilt:  # the training calls' wall time, code and dtype are not on record: say so, not '?'
         out = getattr(args, 'out', '?')
-        about = (f", which {out}/README.md describes" if os.path.exists(os.path.join(out, 'README.md'))
-                 else '')
+        readme = os.path.join(out, 'README.md')
+        about = f", which {readme} describes" if os.path.exists(readme) else ''
         run_lines = [f"Wall time of the sweep calls: not on record (no sweep.json under {out}: this report "
                      f"is rebuilt from the finished runs' records{about}); train time summed over runs: "
                      f"{train_minutes:.1f} min.",
