@@ -238,6 +238,13 @@ PRESETS['moe_causal'] = dict(
     PRESETS['moe_4x2'], title="Looped-MoE at 4 layers x 2 loops, the causal arms: free, tied and disjoint "
                               "(forced-divergence) routing",
     arms=[a for a in PRESETS['moe_4x2']['arms'] if a['name'].startswith('looped_moe')])
+# disjoint routing halves each loop's pool (E/R experts a loop): the same test at a matched pool, R x E
+# experts in all so that each loop routes among E of its own, beside free and disjoint routing on one machine
+PRESETS['moe_pool'] = dict(
+    PRESETS['moe_causal'], title="Looped-MoE at 4 layers x 2 loops: forced divergence at a matched pool "
+                                 "(disjoint routing over 2 x 8 experts) beside free and disjoint routing",
+    arms=[a for a in PRESETS['moe_causal']['arms'] if a['name'] != 'looped_moe_tied']
+    + [arm('looped_moe_pooled', n_layer=4, n_loop=2, disjoint_routing=True, n_expert=16, top_k=2, **MOE)])
 # the blind-spot pair under GPT-2's init, where the order of the norms flips (three seeds)
 PRESETS['init_gpt2'] = dict(
     title="Paper 1 under init=gpt2: per-loop RMSNorm vs raw readout, three seeds",

@@ -22,6 +22,8 @@ The report's verdicts, each from the one rule (lab/verdict.py) on a 95 % CI over
   (f) forcing the loops apart helps: looped_moe_disjoint (loop k routes among its own E/R experts, a pool
       halved as well as kept apart) ends below looped_moe; with (e) the causal test has two sides:
       divergence helping predicts (f) and (e)
+  (g) the same at a matched pool (the moe_pool preset): looped_moe_pooled, disjoint routing over R x E
+      experts, so that each loop keeps E of its own, against looped_moe
 """
 import dataclasses
 import os
@@ -42,7 +44,8 @@ from reports import fmt, mean, plt_or_none, read_json, save, std, verdict_block
 from routing import collect, divergence
 from verdict import mean_ci, verdict
 
-ARMS = ('dense_unique', 'moe_unique', 'dense_looped', 'looped_moe', 'looped_moe_tied', 'looped_moe_disjoint')
+ARMS = ('dense_unique', 'moe_unique', 'dense_looped', 'looped_moe', 'looped_moe_tied', 'looped_moe_disjoint',
+        'looped_moe_pooled')
 
 # -----------------------------------------------------------------------------
 # one run
@@ -175,22 +178,44 @@ def verdicts(ev):
             *claim(lost, "computed: the share of looped_moe's gain over dense_looped that looped_moe_tied "
                    "loses per seed, claimed > 0 and the whole of it (1)", sign=+1, paper=1.0)),
            ('forcing the loops apart helps', *forced_verdict(ev))]
+    if ev.get('looped_moe_pooled'):  # the moe_pool preset: the same test at a matched pool
+        out.append(('forcing the loops apart helps at a matched pool', *pooled_verdict(ev)))
     return out
+
+
+def versus(ev, base, arm):
+    # CE(arm) - CE(base) at full depth, per seed both ran
+    return paired(ev, lambda b, a: final(a) - final(b), base, arm)
+
+
+def side_ci(diffs, label):
+    if len(diffs) < 2:
+        return ''
+    m, lo, hi = mean_ci(diffs)
+    return f"; {label} {m:+.4f} nats, 95 % CI [{lo:+.4f}, {hi:+.4f}] over {len(diffs)} seeds"
+
+
+def below_free(ev, arm, why, side):
+    d = versus(ev, 'looped_moe', arm)
+    each = f" ({', '.join(f'{x:+.4f}' for x in d)})" if d else ''
+    return claim(d, f"computed: CE({arm}) - CE(looped_moe) at full depth per seed{each}, claimed < 0; {why}"
+                 + side, sign=-1)
 
 
 def forced_verdict(ev):
     # (f): the disjoint arm against free routing, paired by seed; the tied arm's side read the same way
     # (positive: above free routing), so both halves of the causal test are in the one line. Disjoint
     # routing also gives each loop E/R experts, not E: a smaller pool, so this is not divergence alone.
-    forced = paired(ev, lambda m, f: final(f) - final(m), 'looped_moe', 'looped_moe_disjoint')
-    tied = paired(ev, lambda m, t: final(t) - final(m), 'looped_moe', 'looped_moe_tied')
-    side = ''
-    if len(tied) > 1:
-        m, lo, hi = mean_ci(tied)
-        side = f"; tied - free {m:+.4f} nats, 95 % CI [{lo:+.4f}, {hi:+.4f}] over {len(tied)} seeds"
-    each = f" ({', '.join(f'{x:+.4f}' for x in forced)})" if forced else ''
-    return claim(forced, f"computed: CE(looped_moe_disjoint) - CE(looped_moe) at full depth per seed{each}, "
-                 "claimed < 0; each loop routes among E/R experts, so the pool halves too" + side, sign=-1)
+    return below_free(ev, 'looped_moe_disjoint', "each loop routes among E/R experts, so the pool halves too",
+                      side_ci(versus(ev, 'looped_moe', 'looped_moe_tied'), 'tied - free'))
+
+
+def pooled_verdict(ev):
+    # (g): (f) with the pool kept: looped_moe_pooled routes loop k among its own E experts of R x E, so
+    # each loop has as many to pick from as under free routing; beside it, what the pool adds to disjoint
+    return below_free(ev, 'looped_moe_pooled', "each loop routes among E experts of its own, R x E in all",
+                      side_ci(versus(ev, 'looped_moe_disjoint', 'looped_moe_pooled'),
+                              'pooled - disjoint (what the pool adds)'))
 
 
 def ce_table(ev):

@@ -194,7 +194,98 @@ def blindspot_report(arms, header, report_dir, prefix):
     plots = [] if plt is None else [plot_norms(plt, arms, report_dir, prefix),
                                     plot_pareto(plt, arms, report_dir, prefix),
                                     plot_exit_ce(plt, arms, report_dir, prefix)]
-    return lines + [""] + [f"![{p}]({p})" for p in plots]
+    verdicts = blindspot_verdicts(arms) if all(a in arms for a in BLINDSPOT_ARMS) else []
+    verdicts += probes_verdicts(arms)
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    return lines + ([""] + verdict_block(verdicts) if verdicts else [])
+
+
+# paper 1's claims (docs/papers.md §1) judged by the rule of lab/verdict.py on per-seed numbers: each a
+# function of one run -> a number, the arms it is computed on, the paper's sign (the sizes are bounds, "in
+# the thousands", "in the tens": the effect is the distance to the bound) and, for "costs little" and "~0",
+# the equivalence margin stated beside it. A CE's size does not carry over: its scale is the tokenizer's.
+FIXES = ('loop_raw', 'loop_final_only', 'loop_penalty')  # the scale-visible readout and the penalty
+BLINDSPOT_ARMS = ('loop_rmsnorm', 'terminal_rmsnorm') + FIXES
+THOUSANDS = 1000.0     # "into the thousands": the claim's own size, the lower end of it (the paper: 39,207)
+TENS = 100.0           # "in the tens": a final-loop norm below 100 (a unit-RMS state at d 128 has norm 11.3)
+RADIAL_MARGIN = 1e-6   # "~0": the readout's radial gradient fraction within 1e-6 (the paper's is about 1e-8)
+CLAMP_MARGIN = 0.01    # "costs little": the radial clamp's CE cost within 0.01 nats (the paper's <= 0.0055)
+
+
+def hR_end(r):
+    return r['rows'][-1]['norm'][-1] if r['rows'] else None
+
+
+def per_seed(arms, name, f):
+    return {r['seed']: f(r) for r in arms[name] if r['depth'] and r['rows']}
+
+
+def seed_diffs(arms, a, b, f):
+    """a's f minus b's, paired by seed."""
+    fa, fb = per_seed(arms, a, f), per_seed(arms, b, f)
+    return [fa[s] - fb[s] for s in fa if s in fb]
+
+
+def blindspot_verdicts(arms):
+    """[(key, word, seeds, how)] of paper 1's headline claims, each the rule on its per-seed numbers."""
+    growth = lambda r: math.log(hR_end(r) / row_near(r['rows'], r['rows'][-1]['iter'] / 2)['norm'][-1])
+    useless = lambda r: r['depth']['fixed']['ce'][0] - r['depth']['fixed']['ce'][r['depth']['n_loop'] - 1]
+    radial = lambda r: r['depth']['radial_frac']['readout'][-1]
+    clamp = lambda r: r['depth']['clamp']['radial']['dce'][-1]
+    claims = [
+        ("inflates the norm", seed_diffs(arms, 'loop_rmsnorm', 'loop_raw', hR_end), dict(spec='+.1f'),
+         "loop_rmsnorm's ‖h_R‖ minus loop_raw's, paired by seed"),
+        ("into the thousands", [x - THOUSANDS for x in per_seed(arms, 'loop_rmsnorm', hR_end).values()],
+         dict(spec='+.1f'), f"loop_rmsnorm's ‖h_R‖ minus {THOUSANDS:g}"),
+        ("still growing at the end", list(per_seed(arms, 'loop_rmsnorm', growth).values()), dict(sign=+1),
+         "log of loop_rmsnorm's ‖h_R‖ at the end over its value at half the steps"),
+        ("early exits useless", list(per_seed(arms, 'terminal_rmsnorm', useless).values()), dict(sign=+1),
+         "terminal_rmsnorm's val CE at exit 1 minus at exit R"),
+        ("radial gradient", list(per_seed(arms, 'loop_rmsnorm', radial).values()),
+         dict(margin=RADIAL_MARGIN, spec='+.1e'), "loop_rmsnorm's radial fraction of exit R's CE gradient"),
+        ("radial clamp costs little", list(per_seed(arms, 'loop_rmsnorm', clamp).values()),
+         dict(margin=CLAMP_MARGIN, spec='+.4f'), "loop_rmsnorm's CE change at exit R, radial part removed"),
+    ]
+    out = [(key, *verdict(*mean_ci(xs), n=len(xs), **kw), what) for key, xs, kw, what in claims]
+    # "the fixes end in the tens" must hold for each fix: the weakest verdict of the three arms, and among
+    # equal words the fix whose CI comes closest to TENS
+    cis = {fix: mean_ci([x - TENS for x in per_seed(arms, fix, hR_end).values()]) for fix in FIXES}
+    tens = [(fix, *verdict(*cis[fix], sign=-1, n=len(per_seed(arms, fix, hR_end)), spec='+.1f'))
+            for fix in sorted(FIXES, key=lambda f: -(cis[f][2] if cis[f][2] is not None else math.inf))]
+    word = weakest([w for _, w, _ in tens])
+    fix, _, why = next(t for t in tens if t[1] == word)
+    out.append(("fixes end in the tens", word, why, f"‖h_R‖ minus {TENS:g} per seed, weakest fix {fix}"))
+    n = len(per_seed(arms, 'loop_rmsnorm', hR_end))
+    return [(key, word, n, f"computed: {what}; {why}") for key, word, why, what in out]
+
+
+# the probes preset (lab/ablate.py) asks two things of single arms: when does the clamp cost little (the
+# paper's models were trained for 4 epochs), and does depth cost the inter-loop-norm arm only under the
+# reference init? A key names the arm's setting, so that the docs can say which one a verdict is on.
+CLAMP_PROBES = {'loop_rmsnorm-lr1e-3': "600 steps, lr 1e-3", 'loop_rmsnorm-2000': "2,000 steps, lr 3e-4",
+                'loop_rmsnorm-2000-lr1e-3': "2,000 steps, lr 1e-3", 'embedded_default': "train.py's defaults"}
+INTERLOOP_PROBES = {'loop_interloop_norm-gpt2': "under init gpt2", 'loop_interloop_norm-lr1e-3': "at lr 1e-3",
+                    'loop_interloop_norm-2000': "after 2,000 steps"}
+
+
+def probes_verdicts(arms):
+    """The probes' claims on their arms' eval_depth records: a sweep's runs, or the report's .json."""
+    clamp = lambda r: r['depth']['clamp']['radial']['dce'][-1]  # one entry per trained loop, 1..R
+    exits = lambda r: r['depth']['fixed']['ce'][len(r['depth']['clamp']['radial']['dce']) - 1] \
+        - r['depth']['fixed']['ce'][0]
+    claims = ([(f"the radial clamp costs little at {setting}", name, clamp, CLAMP_MARGIN,
+                "CE change at exit R, radial part removed")
+               for name, setting in CLAMP_PROBES.items()]
+              + [(f"depth costs the inter-loop norm nothing {setting}", name, exits, HOLD_MARGIN,
+                  "val CE at exit R minus at exit 1")
+                 for name, setting in INTERLOOP_PROBES.items()])
+    out = []
+    for key, name, f, margin, what in claims:
+        xs = [f(r) for r in arms.get(name, []) if r.get('depth')]
+        if xs:
+            word, why = verdict(*mean_ci(xs), margin=margin, n=len(xs), spec='+.4f')
+            out.append((key, word, len(xs), f"computed: {name}'s {what}, per seed; {why}"))
+    return out
 
 
 def plt_or_none():
@@ -298,6 +389,11 @@ def plot_exit_ce(plt, arms, report_dir, prefix):
 # -----------------------------------------------------------------------------
 # the recurrent-depth report: test-time depth, scale over training, halting by margin / KL / gate
 
+def trained_loops(d):
+    """The loops a run trained at: n_loop, or the mean n_loop + 1 of a sampled depth."""
+    return d['n_loop'] + (d['model_args'].get('loop_sampling', 'fixed') != 'fixed')
+
+
 def extrapolation_row(name, runs):
     d = depths(runs)
     if not d:
@@ -306,7 +402,7 @@ def extrapolation_row(name, runs):
     at = [ce[n - 1] if n <= len(ce) else None for n in TEST_LOOPS]
     best = min(range(len(ce)), key=lambda i: ce[i] if ce[i] is not None else math.inf) + 1
     sampled = d[0]['model_args'].get('loop_sampling', 'fixed') != 'fixed'
-    trained = f"{d[0]['n_loop'] + 1} (mean, sampled)" if sampled else str(d[0]['n_loop'])
+    trained = f"{trained_loops(d[0])} (mean, sampled)" if sampled else str(d[0]['n_loop'])
     return f"| {name} | {trained} | " + " | ".join(fmt(c, '.3f') for c in at) + f" | {best} |"
 
 
@@ -344,15 +440,21 @@ def by_seed(runs):
 
 
 def matched_verdict(deltas):
-    # deltas: per budget, the per-seed PPL differences against the baseline (negative: the fix is better)
-    every = [x for ds in deltas for x in ds]
-    if not every:
+    """Paper 1's claim for one arm, a lower PPL than the baseline at every budget: the rule of
+    lab/verdict.py at each budget on the seed-paired differences (lower claimed: sign -1), and the arm
+    holds the claim as well as its weakest budget. deltas: per budget, the per-seed PPL differences."""
+    cells = [(b, verdict(*mean_ci(dd), sign=-1, n=len(dd))) for b, dd in zip(MATCHED_BUDGETS, deltas) if dd]
+    if not cells:
         return 'not tested'
-    if all(x < 0 for x in every):
-        return 'reproduces (lower at every budget in every seed)'
-    if all(mean(ds) < 0 for ds in deltas if ds):
-        return 'direction only (lower on the mean at every budget, not in every seed)'
-    return 'does not reproduce (not lower at every budget)'
+    word = weakest([w for _, (w, _) in cells])
+    b, (_, why) = next(c for c in cells if c[1][0] == word)
+    return f"{word} (weakest at ≤ {b:g} loops: {why})"
+
+
+def delta_cell(dd):
+    """A budget's paired PPL difference: the mean and its 95 % CI over seeds (lab/verdict.py's mean_ci)."""
+    m, lo, hi = mean_ci(dd)
+    return fmt(m, '+.3f') + (f" [{lo:+.3f}, {hi:+.3f}]" if lo is not None else "")
 
 
 def verdict_block(verdicts):
@@ -365,10 +467,7 @@ def verdict_block(verdicts):
 def matched_claim(arm_verdicts):
     # paper 1's claim holds as well as its weakest scale-controlled arm: every arm must reach a lower PPL
     words = [v.split(' (')[0] for v in arm_verdicts]
-    for word in ('not tested', 'does not reproduce', 'direction only'):
-        if word in words:
-            return word
-    return 'reproduces' if words else 'not tested'
+    return 'not tested' if 'not tested' in words else weakest(words)
 
 
 def matched_tables(arms, key='scale-controlled variants', missing=None):
@@ -390,9 +489,9 @@ def matched_tables(arms, key='scale-controlled variants', missing=None):
             cells.append(f"{fmt(mean(vals), '.3f')} ({' / '.join(fmt(v, '.3f') for v in vals)})")
         lines.append(f"| {name} | {len(ds)} | " + ' | '.join(cells) + " |")
     base = by_seed(arms.get(BASELINE_ARM, []))
-    lines += ["", f"PPL minus {BASELINE_ARM}'s at the same budget, paired by seed: mean (seeds lower), and "
-              "the verdict on paper 1's claim (scale-controlled variants reach a lower PPL at matched "
-              "depth):", "",
+    lines += ["", f"PPL minus {BASELINE_ARM}'s at the same budget, paired by seed: mean "
+              "[95 % CI over seeds], and the verdict on paper 1's claim (scale-controlled variants reach a "
+              "lower PPL at matched depth) by the rule of lab/verdict.py, at the arm's weakest budget:", "",
               f"| arm | {cols} | verdict |", "|---|" + "---|" * (len(MATCHED_BUDGETS) + 1)]
     verdicts = []
     for name, runs in arms.items():
@@ -403,12 +502,13 @@ def matched_tables(arms, key='scale-controlled variants', missing=None):
             pairs = [(ppl_within(d, b), ppl_within(base[s], b)) for s, d in ds.items() if s in base]
             dd = [x - y for x, y in pairs if x is not None and y is not None]
             deltas.append(dd)
-            cells.append(f"{fmt(mean(dd), '+.3f')} ({sum(x < 0 for x in dd)}/{len(dd)})")
+            cells.append(delta_cell(dd))
         verdicts.append(matched_verdict(deltas))
         lines.append(f"| {name} | " + ' | '.join(cells) + f" | {verdicts[-1]} |")
     seeds = len(by_seed(arms.get(BASELINE_ARM, [])))
-    claim, how = matched_claim(verdicts), ("computed: a lower PPL at matched depth? the weakest of the "
-                                           f"arms' verdicts against {BASELINE_ARM}")
+    claim, how = matched_claim(verdicts), ("computed: a lower PPL at matched depth? the rule per budget on "
+                                           f"the seed-paired differences against {BASELINE_ARM}; the "
+                                           "weakest budget of the weakest arm")
     if missing:
         claim, seeds = 'not tested', min(missing.values())
         how = "not reached on two seeds by " + ", ".join(f"{n} ({k} of 2)" for n, k in missing.items())
@@ -476,6 +576,7 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
                       f"{', '.join(missing)} not yet, so the claim is not tested here.", ""]
         at = {n: runs for n, runs in at.items() if n not in missing}
         tables = matched_tables(at, key=key, missing=missing)
+        tables.insert(len(tables) - 1, verdict_block([depth_gain_verdict(at[BASELINE_ARM], L)])[2])
         lines += [t.replace('### Matched inference depth', f'### {L:,} steps, matched inference depth', 1)
                   for t in tables]
         lines += [t.replace('### Depth', f'### {L:,} steps, depth', 1) for t in depth_table(at)]
@@ -493,6 +594,15 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
     return header + table + plot + lines
 
 
+def depth_gain_verdict(runs, L):
+    """Paper 1's "a normalised readout gains nothing from depth" (its ΔPPL exit 1 -> R is +0.01): an
+    equivalence claim on the gain val CE exit 1 minus exit R, per seed, within HOLD_MARGIN nats."""
+    xs = [d['fixed']['ce'][0] - d['fixed']['ce'][d['n_loop'] - 1] for d in depths(runs)]
+    word, why = verdict(*mean_ci(xs), margin=HOLD_MARGIN, n=len(xs))
+    return (f"a normalised readout gains nothing from depth at {L:,} steps", word, len(xs),
+            f"computed: {BASELINE_ARM}'s val CE at exit 1 minus at exit R, per seed; {why}")
+
+
 def recurrent_report(arms, header, report_dir, prefix):
     lines = header + [
         "### Test-time depth: val CE (eval_depth, fixed depth) at loops "
@@ -506,7 +616,26 @@ def recurrent_report(arms, header, report_dir, prefix):
     plt = plt_or_none()
     plots = [] if plt is None else [plot_norms(plt, arms, report_dir, prefix),
                                     plot_exit_ce(plt, arms, report_dir, prefix)]
-    return lines + [""] + [f"![{p}]({p})" for p in plots]
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    return lines + ([""] + verdict_block(recurrent_verdicts(arms)) if HOLDS.keys() <= arms.keys() else [])
+
+
+# Huginn's claim (docs/papers.md §4): more test-time loops than trained hold the loss, an equivalence claim
+# with its margin, judged per seed on CE at the deepest test depth minus CE at the trained depth; the same
+# pieces on pre-norm blocks are the control the blind spot acts on
+HOLD_MARGIN = 0.02   # nats, about a run's eval noise at this size (the margin of DeepLoop's "neutral")
+HOLDS = {'huginn': "more test-time loops hold", 'recurrent_preln': "pre-norm blocks hold too"}
+
+
+def recurrent_verdicts(arms):
+    out = []
+    for name, key in HOLDS.items():
+        d = depths(arms[name])
+        xs = [x['fixed']['ce'][TEST_LOOPS[-1] - 1] - x['fixed']['ce'][trained_loops(x) - 1] for x in d]
+        word, why = verdict(*mean_ci(xs), margin=HOLD_MARGIN, n=len(xs))
+        out.append((key, word, len(xs), f"computed: {name}'s val CE at {TEST_LOOPS[-1]} loops minus at "
+                                        f"the trained depth, per seed; {why}"))
+    return out
 
 # -----------------------------------------------------------------------------
 # the "still growing" report: ||h_R|| and CE at fixed steps of a long run, both over training in one plot

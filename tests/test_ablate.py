@@ -584,11 +584,23 @@ def test_ppl_within_a_budget_is_the_best_operating_point_that_fits_it():
     assert reports.ppl_within(d, 0.5) is None   # nothing runs in under one loop
 
 
-def test_matched_depth_verdict_needs_every_seed_for_reproduces():
-    assert reports.matched_verdict([[-0.1, -0.2], [-0.3, -0.1]]).startswith('reproduces')
-    assert reports.matched_verdict([[-0.3, 0.1], [-0.3, -0.1]]).startswith('direction only')
-    assert reports.matched_verdict([[-0.3, -0.1], [0.2, 0.1]]).startswith('does not reproduce')
+def test_matched_depth_verdict_is_the_rule_at_the_weakest_budget():
+    lower = [-0.30, -0.31, -0.29]                 # lower in every seed, tightly: the CI excludes 0
+    coin = [-0.30, +0.25, -0.10]                  # lower on the mean, the CI holds 0
+    higher = [+0.30, +0.31, +0.29]
+    assert reports.matched_verdict([lower, lower]).startswith('reproduces')
+    word = reports.matched_verdict([lower, coin])
+    assert word.startswith('inconclusive (weakest at ≤ 1.5 loops') and 'seeds would decide' in word
+    assert reports.matched_verdict([coin, higher]).startswith('does not reproduce (weakest at ≤ 1.5')
     assert reports.matched_verdict([[], []]) == 'not tested'
+    # three same-sign seeds are no CI: lower in every seed but too spread to exclude 0
+    assert reports.matched_verdict([[-0.01, -0.5, -0.02]]).startswith('inconclusive')
+
+
+def test_the_matched_claim_is_its_weakest_arm():
+    assert reports.matched_claim(['reproduces (x)', 'inconclusive (y)']) == 'inconclusive'
+    assert reports.matched_claim(['reproduces (x)', 'does not reproduce (y)']) == 'does not reproduce'
+    assert reports.matched_claim(['reproduces (x)', 'not tested']) == 'not tested'
 
 
 def test_matched_table_pairs_each_arm_with_the_rmsnorm_arm_by_seed():
@@ -596,11 +608,12 @@ def test_matched_table_pairs_each_arm_with_the_rmsnorm_arm_by_seed():
     fix = [dict(seed=1, depth=depth_of([19.0, 17.0], [(1.5, 18.0)])),
            dict(seed=2, depth=depth_of([21.0, 17.5], [(1.5, 20.0)]))]
     md = '\n'.join(reports.matched_tables({'loop_rmsnorm': base, 'loop_raw': fix}))
-    # budget 1: 19 - 20 and 21 - 20 -> mean 0, lower in 1 of 2 seeds; budget 2: -1.0 and -0.5
-    assert '| loop_raw | +0.000 (1/2) | +0.000 (1/2) | -0.750 (2/2) |' in md.replace('-0.000', '+0.000')
-    assert 'does not reproduce' in md
+    # budget 1: 19 - 20 and 21 - 20 -> mean 0, CI 0 +- 12.706 * 1.414 / 1.414; budget 2: -1.0 and -0.5
+    assert '| loop_raw | +0.000 [-12.706, +12.706] | +0.000 [-12.706, +12.706] | -0.750 [-3.926, +2.426] |' \
+        in md.replace('-0.000', '+0.000')
+    assert 'inconclusive (weakest at ≤ 1 loops' in md   # two seeds: Student's t of 12.7 decides nothing
     # the claim's verdict, in the form the docs' verdicts are checked against (tests/test_claims.py)
-    assert '- scale-controlled variants: does not reproduce (2 seeds); computed: ' in md
+    assert '- scale-controlled variants: inconclusive (2 seeds); computed: ' in md
 
 
 def grown_runs(real_depth, run_dir, name, fixed, lengths_by_seed):
@@ -632,7 +645,7 @@ def test_matched_long_reports_a_verdict_per_length_and_not_tested_where_a_seed_i
     assert md.index('| 4 | 2 | reproduces |') < md.index('| 8 | 1 | not tested |') < md.index('## 4 steps')
     assert '- scale-controlled variants at 4 steps: reproduces (2 seeds); computed: ' in md
     assert '- scale-controlled variants at 8 steps: not tested (1 seed); not reached' in md
-    assert '| loop_raw | -1.000 (2/2) |' in md  # budget 1: 19 - 20 in each seed
+    assert '| loop_raw | -1.000 [-1.000, -1.000] |' in md  # budget 1: 19 - 20 in each seed
     assert '### 4 steps, depth' in md and '| loop_raw | 2 | 1.5 / 2.0 |' in md  # norms at step 4, 2 seeds
     if reports.plt_or_none():
         assert '(ml_ppl.png)' in md and (tmp_path / 'ml_ppl.png').stat().st_size > 1000
@@ -653,7 +666,7 @@ def test_a_length_some_arms_reached_shows_their_verdicts_and_leaves_the_claim_no
     at_8 = md[md.index('## 8 steps'):]
     assert 'Reached on two seeds by 2 of 3 arms; loop_penalty not yet' in at_8
     tables = at_8[at_8.index('### 8 steps, matched'):at_8.index('### Verdicts')]
-    assert '| loop_raw | +1.000 (0/2) |' in tables and '| loop_penalty |' not in tables
+    assert '| loop_raw | +1.000 [+1.000, +1.000] |' in tables and '| loop_penalty |' not in tables
     assert ('- scale-controlled variants at 8 steps: not tested (1 seed); not reached on two seeds by '
             'loop_penalty (1 of 2)') in at_8
     assert '| 8 | 1 | not tested |' in md
@@ -776,7 +789,8 @@ def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(
 # paper's shape (its disjoint arm did not finish there), the CPU's causal arms of that shape, and the init
 # split's untied-head arms
 RERUNS = [('matched_pairs', []), ('matched_pairs_cpu', []), ('moe_causal', []), ('init_untied', []),
-          ('moe_4x2', ['--only=dense_unique,moe_unique,dense_looped,looped_moe,looped_moe_tied'])]
+          ('moe_4x2', ['--only=dense_unique,moe_unique,dense_looped,looped_moe,looped_moe_tied']),
+          ('blindspot', ['--seeds=1,2,3']), ('recurrent', ['--seeds=1,2,3']), ('moe_pool', [])]
 
 
 @pytest.mark.parametrize('preset, only', RERUNS, ids=[p for p, _ in RERUNS])
@@ -798,3 +812,77 @@ def test_the_committed_matched_long_report_is_what_its_committed_runs_give(repo_
     rebuilt = (tmp_path / 'matched_long.md').read_text(encoding='utf-8')
     committed = (repo_dir / 'assets/matched_long.md').read_text(encoding='utf-8')
     assert rebuilt == committed
+
+
+def blindspot_run(seed, norm_half, norm_end, ce, radial=5e-9, dce=0.001, n_loop=4):
+    """One run as reports reads it: its norms at half and at the end, its val CE at exits 1..R."""
+    rows = [dict(iter=300, norm=[norm_half] * n_loop), dict(iter=600, norm=[norm_end] * n_loop)]
+    return dict(seed=seed, rows=rows, depth=dict(
+        n_loop=n_loop, fixed=dict(ce=ce), model_args={}, radial_frac=dict(readout=[radial] * n_loop),
+        clamp=dict(radial=dict(dce=[dce] * n_loop))))
+
+
+def blindspot_arms(rmsnorm_end, fix_end, terminal_ce1, dce):
+    jitter = (-1.0, 0.0, 1.0)  # three seeds that differ a little, so the CIs are narrow but not empty
+    def arm(end, ce1=2.6, dce=0.001, half=None):
+        return [blindspot_run(s + 1, (half or end) + j, end + j, [ce1 + j / 100, 2.6, 2.6, 2.6],
+                              dce=dce + j / 1e4) for s, j in enumerate(jitter)]
+    return dict(loop_rmsnorm=arm(rmsnorm_end, dce=dce, half=rmsnorm_end / 2),
+                terminal_rmsnorm=arm(300.0, ce1=terminal_ce1),
+                **{fix: arm(fix_end) for fix in reports.FIXES})
+
+
+def test_paper_1s_claims_follow_the_numbers_of_their_arms():
+    # the paper's picture: per-loop RMSNorm in the thousands and still growing, fixes in the tens, terminal
+    # training's exit 1 far behind, the clamp free
+    said = {k: w for k, w, n, _ in reports.blindspot_verdicts(blindspot_arms(3000.0, 20.0, 15.0, 0.001))}
+    assert said == {'inflates the norm': 'reproduces', 'into the thousands': 'reproduces',
+                    'still growing at the end': 'reproduces',
+                    'early exits useless': 'reproduces', 'radial gradient': 'reproduces',
+                    'radial clamp costs little': 'reproduces', 'fixes end in the tens': 'reproduces'}
+    # the other world: no inflation, fixes at 500, exit 1 no worse, the clamp costly
+    said = {k: w for k, w, n, _ in reports.blindspot_verdicts(blindspot_arms(20.0, 500.0, 2.0, 0.2))}
+    assert said['inflates the norm'] == 'does not reproduce'
+    assert said['fixes end in the tens'] == 'does not reproduce'
+    assert said['early exits useless'] == 'does not reproduce'
+    assert said['radial clamp costs little'] == 'does not reproduce'
+    # a norm that inflates, but to hundreds: not into the thousands
+    said = {k: w for k, w, n, _ in reports.blindspot_verdicts(blindspot_arms(600.0, 20.0, 15.0, 0.001))}
+    assert said['inflates the norm'] == 'reproduces' and said['into the thousands'] == 'does not reproduce'
+
+
+def test_huginns_hold_is_an_equivalence_claim_on_ce_beyond_the_trained_depth():
+    def arm(ce_deep):  # fixed depth 1..16, trained at 4; three seeds 0.002 apart
+        return [dict(seed=s, rows=[], depth=dict(n_loop=4, model_args={}, fixed=dict(
+            ce=[3.0, 2.5, 2.3, 2.2] + [ce_deep + s / 500] * 12))) for s in (1, 2, 3)]
+    holds = lambda deep: [w for _, w, _, _ in reports.recurrent_verdicts(dict(huginn=arm(deep),
+                                                                              recurrent_preln=arm(3.0)))]
+    assert holds(2.2) == ['reproduces', 'does not reproduce']
+    assert holds(2.5)[0] == 'does not reproduce'
+    assert holds(2.215)[0] == 'inconclusive'  # the CI crosses the margin
+
+
+def test_each_probe_judges_its_own_arm_the_clamp_within_0_01_nats_and_depth_within_0_02():
+    def arm(clamp, exit_gap):  # three seeds 0.001 apart
+        depth = lambda s: dict(clamp=dict(radial=dict(dce=[0, 0, 0, clamp + s / 1000])),  # noqa: E731
+                               fixed=dict(ce=[2.0, 2.0, 2.0, 2.0 + exit_gap + s / 1000]))
+        return [dict(seed=s, rows=[{}], depth=depth(s))
+                for s in (1, 2, 3)]
+    said = {key: word for key, word, _, _ in reports.probes_verdicts({
+        'loop_rmsnorm-2000-lr1e-3': arm(0.001, 0), 'loop_rmsnorm-lr1e-3': arm(0.06, 0),
+        'loop_interloop_norm-gpt2': arm(0, -0.001), 'loop_interloop_norm-2000': arm(0, 0.06)})}
+    assert said == {"the radial clamp costs little at 2,000 steps, lr 1e-3": 'reproduces',
+                    "the radial clamp costs little at 600 steps, lr 1e-3": 'does not reproduce',
+                    "depth costs the inter-loop norm nothing under init gpt2": 'reproduces',
+                    "depth costs the inter-loop norm nothing after 2,000 steps": 'does not reproduce'}
+
+
+def test_gaining_nothing_from_depth_is_an_equivalence_claim_on_exit_1_against_exit_r():
+    def runs(gains):  # per seed, val CE at exit 1 minus exit R
+        return [dict(seed=s, depth=dict(n_loop=4, fixed=dict(ce=[2.5 + g, 2.5, 2.5, 2.5])))
+                for s, g in enumerate(gains, start=1)]
+    word = lambda gains: reports.depth_gain_verdict(runs(gains), 1000)[1]  # noqa: E731
+    assert word([0.001, -0.002, 0.000]) == 'reproduces'
+    assert word([0.300, 0.280, 0.320]) == 'does not reproduce'   # the exits gain from depth after all
+    assert word([0.010, -0.020, 0.030]) == 'inconclusive'
+    assert reports.depth_gain_verdict(runs([0, 0, 0]), 3000)[0].endswith('at 3,000 steps')

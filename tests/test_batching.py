@@ -275,3 +275,24 @@ def test_the_decode_step_reads_nothing_back_to_the_host(kw, opts, monkeypatch):
     monkeypatch.setattr(batching, 'readout', planted)
     with pytest.raises(AssertionError, match='host sync'):
         serve(m, ps, 2, Decoding(batch_size=3, temperature=0, **opts))
+
+
+@pytest.mark.parametrize('opts', [dict(), dict(exit_threshold=0.05, exit_policy='maxprob'),
+                                  dict(exit_threshold=1e-2, exit_policy='kl', kv_policy='copy')],
+                         ids=['fixed', 'maxprob', 'kl'])
+def test_the_decode_step_compiles_as_one_graph_and_decodes_as_eager(opts, monkeypatch):
+    # fullgraph=True: a graph break (a host read, a Python branch on a tensor) raises instead of splitting
+    # the step. Dynamo's own 'eager' backend checks the capture in seconds; the kernels are torch's either
+    # way.
+    torch._dynamo.reset()
+    m, ps = tiny(pos='rope', n_coda=1, injection='add'), prompts()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(0.1)  # rows exit at other loops in the same call
+    run = lambda: serve(m, ps, 12, Decoding(batch_size=3, temperature=0, **opts))  # noqa: E731
+    eager = run()
+    monkeypatch.setattr(batching, 'step', torch.compile(batching.step, fullgraph=True, backend='eager'))
+    compiled = run()
+    assert compiled[:2] == eager[:2]
+    if opts:
+        assert any(k < m.config.n_loop for u in eager[1] for k in u)  # some token exited early
+    torch._dynamo.reset()

@@ -530,8 +530,8 @@ def planted(tmp_path, name, old, new):
     return problems(copy, prose=name == 'results.md')
 
 
-BLINDSPOT_RAW = ('| per-loop + raw | 2.8019 | 15.1 / 16.2 / 16.9 / 17.7 | 28.3 (75) | 22.5 / 17.7 | x0.79 |\n'
-                 '| per-loop + final-only norm | 2.7531 |')
+BLINDSPOT_RAW = ('| per-loop + raw | 2.8112 | 15.8 / 17.3 / 18.1 / 19.1 | 31.2 (50/75/75) '
+                 '| 24.9 / 19.1 | x0.77 |\n| per-loop + final-only norm | 2.7258 |')
 ERRORS = {  # what a careless edit does, in a copy of the committed text: each must be caught
     'prose number changed': ('results.md', '+0.024, +0.033 and +0.069 per seed',
                              '+0.024, +0.037 and +0.069 per seed'),
@@ -543,9 +543,9 @@ ERRORS = {  # what a careless edit does, in a copy of the committed text: each m
                                .replace('per-loop + final-only norm', 'per-loop + raw')
                                .replace('X', 'per-loop + final-only norm')),
     'two cells swapped': ('results.md', BLINDSPOT_RAW, BLINDSPOT_RAW.replace(
-        '28.3 (75) | 22.5 / 17.7', '22.5 / 17.7 | 28.3 (75)')),
+        '31.2 (50/75/75) | 24.9 / 19.1', '24.9 / 19.1 | 31.2 (50/75/75)')),
     'a number borrowed from another cell of the report line': (
-        'results.md', BLINDSPOT_RAW, BLINDSPOT_RAW.replace('28.3 (75)', '22.5 (75)')),
+        'results.md', BLINDSPOT_RAW, BLINDSPOT_RAW.replace('31.2 (50/75/75)', '24.9 (50/75/75)')),
     'an unmarked table in docs/decoding.md': ('decoding.md', '<!-- not from an asset: a description of '
                                               'the policies -->\n', ''),
     # numbers a name binds, changed to numbers the report holds elsewhere: the occurrence rule passes them
@@ -698,7 +698,7 @@ def report_block(name):
     return lines[i:j]
 
 
-@pytest.mark.parametrize('name', ['moe', 'moe_4x2', 'moe_causal'])
+@pytest.mark.parametrize('name', ['moe', 'moe_4x2', 'moe_causal', 'moe_pool'])
 def test_looped_moe_verdicts_are_the_rules_on_the_reports_per_seed_records(name):
     # each report's .json holds every run's moe_eval.json: the verdicts recomputed from them by the rule
     import moe
@@ -706,6 +706,14 @@ def test_looped_moe_verdicts_are_the_rules_on_the_reports_per_seed_records(name)
     runs = json.loads((REPO / 'assets' / f'{name}.json').read_text(encoding='utf-8'))
     ev = {arm: {r['seed']: r['moe_eval'] for r in rs if r.get('moe_eval')} for arm, rs in runs.items()}
     assert [line for line in verdict_block(moe.verdicts(ev)) if line.startswith('- ')] == report_block(name)
+
+
+def test_the_probes_verdicts_are_the_rules_on_the_reports_per_seed_records():
+    # assets/probes.json holds every run's eval_depth results: the clamp and depth claims recomputed
+    from reports import probes_verdicts, verdict_block
+    runs = json.loads((REPO / 'assets' / 'probes.json').read_text(encoding='utf-8'))
+    said = [line for line in verdict_block(probes_verdicts(runs)) if line.startswith('- ')]
+    assert said == report_block('probes')
 
 
 def test_deeploop_verdicts_are_the_rules_on_the_committed_runs(tmp_path):

@@ -629,3 +629,23 @@ def test_forcing_the_loops_apart_is_judged_by_a_ci_over_seeds_not_by_a_count_of_
     assert moe.forced_verdict(ev([-0.0059, -0.0080, -0.0024]))[0] == 'inconclusive'
     assert moe.forced_verdict(ev([-0.0050, -0.0052, -0.0048]))[0] == 'reproduces'
     assert moe.forced_verdict(ev([+0.0050, +0.0052, +0.0048]))[0] == 'does not reproduce'
+
+
+def test_a_matched_pool_is_judged_only_where_its_arm_ran_and_states_what_the_pool_adds():
+    import moe
+    runs = lambda ds: {s: {'boundary_ce': [2.0, 1.9 + d]} for s, d in zip((1, 2, 3), ds)}  # noqa: E731
+    ev = {'looped_moe': runs([0, 0, 0]), 'looped_moe_disjoint': runs([+0.010, +0.011, +0.009])}
+    assert 'forcing the loops apart helps at a matched pool' not in [k for k, *_ in moe.verdicts(ev)]
+    ev['looped_moe_pooled'] = runs([-0.0050, -0.0052, -0.0048])
+    word, n, how = moe.pooled_verdict(ev)
+    assert (word, n) == ('reproduces', 3) and 'pooled - disjoint (what the pool adds) -0.0150' in how
+    ev['looped_moe_pooled'] = runs([+0.0050, -0.0060, +0.0010])
+    assert moe.pooled_verdict(ev)[0] == 'inconclusive'
+
+
+def test_the_moe_pool_preset_keeps_each_loops_pool_at_e_experts_beside_free_and_disjoint_routing():
+    import ablate
+    arms = {a['name']: a for a in ablate.PRESETS['moe_pool']['arms']}
+    assert list(arms) == ['looped_moe', 'looped_moe_disjoint', 'looped_moe_pooled']
+    pooled, disjoint = arms['looped_moe_pooled']['overrides'], arms['looped_moe_disjoint']['overrides']
+    assert pooled['n_expert'] == pooled['n_loop'] * disjoint['n_expert'] and pooled['disjoint_routing']
