@@ -210,6 +210,20 @@ THOUSANDS = 1000.0     # "into the thousands": the claim's own size, the lower e
 TENS = 100.0           # "in the tens": a final-loop norm below 100 (a unit-RMS state at d 128 has norm 11.3)
 RADIAL_MARGIN = 1e-6   # "~0": the readout's radial gradient fraction within 1e-6 (the paper's is about 1e-8)
 CLAMP_MARGIN = 0.01    # "costs little": the radial clamp's CE cost within 0.01 nats (the paper's <= 0.0055)
+HOLD_MARGIN = 0.02     # "holds", "nothing from depth": nats, about a run's eval noise here (DeepLoop's
+                       # "neutral" margin)
+
+
+def exit_gain(d):
+    """What depth buys in an eval_depth record d: val CE at exit 1 minus at exit R. A report's .json keeps
+    no n_loop, but its clamp record has one entry per trained exit."""
+    R = d.get('n_loop') or len(d['clamp']['radial']['dce'])
+    return d['fixed']['ce'][0] - d['fixed']['ce'][R - 1]
+
+
+def clamp_cost(d):
+    """The radial clamp's CE cost at exit R: each loop's update less its radial part (docs/papers.md §1)."""
+    return d['clamp']['radial']['dce'][-1]
 
 
 def hR_end(r):
@@ -229,9 +243,9 @@ def seed_diffs(arms, a, b, f):
 def blindspot_verdicts(arms):
     """[(key, word, seeds, how)] of paper 1's headline claims, each the rule on its per-seed numbers."""
     growth = lambda r: math.log(hR_end(r) / row_near(r['rows'], r['rows'][-1]['iter'] / 2)['norm'][-1])
-    useless = lambda r: r['depth']['fixed']['ce'][0] - r['depth']['fixed']['ce'][r['depth']['n_loop'] - 1]
+    useless = lambda r: exit_gain(r['depth'])
     radial = lambda r: r['depth']['radial_frac']['readout'][-1]
-    clamp = lambda r: r['depth']['clamp']['radial']['dce'][-1]
+    clamp = lambda r: clamp_cost(r['depth'])
     claims = [
         ("inflates the norm", seed_diffs(arms, 'loop_rmsnorm', 'loop_raw', hR_end), dict(spec='+.1f'),
          "loop_rmsnorm's ‖h_R‖ minus loop_raw's, paired by seed"),
@@ -270,18 +284,15 @@ INTERLOOP_PROBES = {'loop_interloop_norm-gpt2': "under init gpt2", 'loop_interlo
 
 def probes_verdicts(arms):
     """The probes' claims on their arms' eval_depth records: a sweep's runs, or the report's .json."""
-    clamp = lambda r: r['depth']['clamp']['radial']['dce'][-1]  # one entry per trained loop, 1..R
-    exits = lambda r: r['depth']['fixed']['ce'][len(r['depth']['clamp']['radial']['dce']) - 1] \
-        - r['depth']['fixed']['ce'][0]
-    claims = ([(f"the radial clamp costs little at {setting}", name, clamp, CLAMP_MARGIN,
+    claims = ([(f"the radial clamp costs little at {setting}", name, clamp_cost, CLAMP_MARGIN,
                 "CE change at exit R, radial part removed")
                for name, setting in CLAMP_PROBES.items()]
-              + [(f"depth costs the inter-loop norm nothing {setting}", name, exits, HOLD_MARGIN,
-                  "val CE at exit R minus at exit 1")
+              + [(f"depth costs the inter-loop norm nothing {setting}", name, lambda d: -exit_gain(d),
+                  HOLD_MARGIN, "val CE at exit R minus at exit 1")
                  for name, setting in INTERLOOP_PROBES.items()])
     out = []
     for key, name, f, margin, what in claims:
-        xs = [f(r) for r in arms.get(name, []) if r.get('depth')]
+        xs = [f(r['depth']) for r in arms.get(name, []) if r.get('depth')]
         if xs:
             word, why = verdict(*mean_ci(xs), margin=margin, n=len(xs), spec='+.4f')
             out.append((key, word, len(xs), f"computed: {name}'s {what}, per seed; {why}"))
@@ -576,7 +587,8 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
                       f"{', '.join(missing)} not yet, so the claim is not tested here.", ""]
         at = {n: runs for n, runs in at.items() if n not in missing}
         tables = matched_tables(at, key=key, missing=missing)
-        tables.insert(len(tables) - 1, verdict_block([depth_gain_verdict(at[BASELINE_ARM], L)])[2])
+        gain = verdict_block([depth_gain_verdict(at[BASELINE_ARM], L)])[2]  # its one "- key: ..." line
+        tables.insert(len(tables) - 1, gain)
         lines += [t.replace('### Matched inference depth', f'### {L:,} steps, matched inference depth', 1)
                   for t in tables]
         lines += [t.replace('### Depth', f'### {L:,} steps, depth', 1) for t in depth_table(at)]
@@ -597,7 +609,7 @@ def matched_long_report(arms, header, lengths, report_dir, prefix):
 def depth_gain_verdict(runs, L):
     """Paper 1's "a normalised readout gains nothing from depth" (its ΔPPL exit 1 -> R is +0.01): an
     equivalence claim on the gain val CE exit 1 minus exit R, per seed, within HOLD_MARGIN nats."""
-    xs = [d['fixed']['ce'][0] - d['fixed']['ce'][d['n_loop'] - 1] for d in depths(runs)]
+    xs = [exit_gain(d) for d in depths(runs)]
     word, why = verdict(*mean_ci(xs), margin=HOLD_MARGIN, n=len(xs))
     return (f"a normalised readout gains nothing from depth at {L:,} steps", word, len(xs),
             f"computed: {BASELINE_ARM}'s val CE at exit 1 minus at exit R, per seed; {why}")
@@ -623,7 +635,6 @@ def recurrent_report(arms, header, report_dir, prefix):
 # Huginn's claim (docs/papers.md §4): more test-time loops than trained hold the loss, an equivalence claim
 # with its margin, judged per seed on CE at the deepest test depth minus CE at the trained depth; the same
 # pieces on pre-norm blocks are the control the blind spot acts on
-HOLD_MARGIN = 0.02   # nats, about a run's eval noise at this size (the margin of DeepLoop's "neutral")
 HOLDS = {'huginn': "more test-time loops hold", 'recurrent_preln': "pre-norm blocks hold too"}
 
 
