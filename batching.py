@@ -7,27 +7,29 @@ request: when it has its tokens, the next prompt takes its place (scheduling: Re
     outs, used, stats = serve(model, prompts, 200, Decoding(batch_size=8, exit_threshold=0.9, temperature=0))
 
 Each row attends to the slots of its own (loop, layer) visit at its own position (RowSlot). An exit at loop
-k leaves in the slots of loops k+1..R what kv_policy says, written with the next call's exits (a skipped
-slot is first read two calls on). Prompt passes and slid windows run all R loops (engine.decode_step), B
-rows at a time: the cache holds up to 2B rows, passed ones waiting for a place.
+k leaves in the slots of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1), written
+with the next call's exits (a skipped slot is first read two calls on). Prompt passes and slid windows run
+all R loops (engine.decode_step), B rows at a time: the cache holds up to 2B rows, passed ones waiting for
+a place.
 """
+import functools
 from dataclasses import replace
 
 import torch
 
 import exits
-from engine import Decoding, KVCache, decode_step, pick
+from engine import Decoding, KVCache, decode_step, pick, slide
 
 
 # -----------------------------------------------------------------------------
 # the cache, seen by rows at their own loops and positions
 
 class RowSlot:
-    """One part's keys and values, k and v flattened to (visits x rows, nh, T, hs), seen by rows each at its
-    own visit: idx (B',) the entry each reads and writes (index_select on one dimension gathers fastest)."""
+    """One part's keys and values, k and v (visits x rows, nh, T, hs), seen by rows each at its own visit:
+    idx (B',) the entry each reads and writes (index_select on one dimension gathers fastest)."""
 
     def __init__(self, k, v, idx):
-        self.k, self.v, self.idx = k.flatten(0, -4), v.flatten(0, -4), idx
+        self.k, self.v, self.idx = k, v, idx
 
     def write(self, k, v, pos):
         # k, v (B', nh, 1, hs): each row's new token at its own position pos (B',)
@@ -49,21 +51,16 @@ class RowView:
     one loop for rows that stand at different loops."""
 
     def __init__(self, cache, rows, loops=None):
-        self.cache, self.rows, self.loops, self.K, self.n = cache, rows, loops, cache.K, cache.n
-        self.B = cache.loop_k.size(2)
-        self.entry = None if loops is None else self.layer_0(loops)  # once a view, not once a layer
-
-    def layer_0(self, k):
-        # the loop's tensors are (slots, K, B, ...): row b at loop k reads entry ((k-1) mod n, j, b), j = 0
-        return (k - 1) % self.n * self.K * self.B + self.rows
+        self.cache, self.rows, self.loops = cache, rows, loops
+        self.entry = None if loops is None else cache.entry(loops, rows)  # once a view, not once a layer
 
     def slot(self, part, j, k=1):
         c = self.cache
         if part != 'loop':
             s = c.slots[part][j]
             return RowSlot(s.k, s.v, self.rows)
-        entry = self.entry if self.entry is not None else self.layer_0(k)
-        return RowSlot(c.loop_k, c.loop_v, entry + j * self.B)
+        entry = self.entry if self.entry is not None else c.entry(k, self.rows)
+        return RowSlot(c.loop_k, c.loop_v, entry + j * c.B)
 
 # -----------------------------------------------------------------------------
 # one call: every place one loop (step), a function of tensors
@@ -88,27 +85,6 @@ def score(model, policy, z, logits, prev, first):
     return pick_fresh(fresh, later), pick_fresh(fresh_prev, later_prev)
 
 
-def fill_skipped(model, cache, rows, h, e, ks, pos, R):
-    """Rows `rows` that exit at loops ks < R fill the slots they skip as exits.fill_skipped does at batch 1,
-    in one write for every row, loop and layer (a row may come twice: two tokens' exits, two positions)."""
-    # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
-    last = min(R, cache.n) if cache.policy == 'shared' else R
-    loops = torch.arange(1, last + 1, device=ks.device)
-    i, c = (loops > ks[:, None]).nonzero().unbind(1)  # row i skips loop loops[c]
-    layers = torch.arange(cache.K, device=ks.device) * cache.loop_k.size(2)
-    entry = lambda k: (RowView(cache, rows[i]).layer_0(k)[:, None] + layers).flatten()  # (P K,)
-    to, p = entry(loops[c]), pos[i].repeat_interleave(cache.K)
-    keys, values = cache.loop_k.flatten(0, 2), cache.loop_v.flatten(0, 2)  # (n K N, nh, T, hs)
-    if cache.policy == 'recompute':
-        x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read, the same in each
-        kv = [block.attn.qkv(block.ln_1(x), rope)[1:] for block in model.transformer.h]
-        for t, new in ((keys, [k for k, _ in kv]), (values, [v for _, v in kv])):
-            t[to, :, p] = torch.stack(new, 1)[i, :, :, 0].flatten(0, 1).to(t.dtype)  # (P K, nh, hs)
-    else:
-        frm = entry(ks[i])
-        for t in (keys, values):
-            t[to, :, p] = t[frm, :, p]
-
 def step(model, cache, f, R, threshold, policy):
     """Every place of flight f one loop (GPT.round), each at its own loop, position and slots, then its
     readout and exit score: (h_k, loops run, score state, logits (B, V), done (B,): the rows that exit)."""
@@ -121,6 +97,17 @@ def step(model, cache, f, R, threshold, policy):
         s, prev = score(model, policy, z, logits, prev, first)
         done = done | (s >= threshold)
     return h, ks, prev, logits, done
+
+
+@functools.cache
+def compiled(device_type):
+    """step as one graph (fullgraph: a host sync inside fails the capture), on CUDA replayed as CUDA graphs;
+    its shapes are the B places' and the cache's, until the last rows leave (one graph more, dynamic in B)."""
+    if device_type != 'cuda':
+        return torch.compile(step, fullgraph=True)
+    graphs = torch.compile(step, fullgraph=True, mode='reduce-overhead')
+    # a replay writes its outputs where the last one did, and serve keeps h, ks and prev for the next call
+    return lambda *args: tuple(t if t is None else t.clone() for t in graphs(*args))
 
 # -----------------------------------------------------------------------------
 # scheduling: the requests, the places in flight, the prompt passes
@@ -145,8 +132,8 @@ class Requests:
         if len(self.used[r]) == self.n:
             self.row[c] = None
             return None
-        if len(self.tokens[r]) - self.start[c] > self.bs:
-            self.start[c] = len(self.tokens[r]) - max(1, self.bs // 2)
+        if (s := slide(len(self.tokens[r]), self.start[c], self.bs)) != self.start[c]:
+            self.start[c] = s
             self.refills += 1
             self.waiting.append(c)
             return None
@@ -193,16 +180,20 @@ class Flight:
         self.rows, self.ks, self.pos = (torch.zeros(B, dtype=torch.long, device=w.device) for _ in 'rkp')
         self.h, self.e = (w.new_zeros(B, 1, model.config.n_embd) for _ in 'he')
 
-    def place(self, model, cache, starts):
-        # the tokens that start at loop 1 next call, (place, row, token, position) each: embedded at once
-        p, c, t, q = (torch.tensor(v, device=self.ks.device) for v in zip(*starts))
-        self.rows[p], self.pos[p], self.ks[p] = c, q, 0
-        self.e[p] = model.prelude(model.embed(t[:, None], q), RowView(cache, c), q).to(self.e.dtype)
-        for p, c, _, _ in starts:
-            self.at[p] = c
+    def place(self, model, cache, free, ready):
+        # the rows ready (row, token, position) take the free places in order, their tokens embedded at once
+        # to start at loop 1 next call; places left free leave the batch. Returns the rows left waiting
+        if starts := [(p, *r) for p, r in zip(free, ready)]:
+            p, c, t, q = (torch.tensor(v, device=self.ks.device) for v in zip(*starts))
+            self.rows[p], self.pos[p], self.ks[p] = c, q, 0
+            self.e[p] = model.prelude(model.embed(t[:, None], q), RowView(cache, c), q).to(self.e.dtype)
+            for p, c, _, _ in starts:
+                self.at[p] = c
+        if len(starts) < len(free):
+            self.drop(free[len(starts):])
+        return ready[len(starts):]
 
-    def drop(self, empty):
-        # the places no row took leave the batch (then nothing is left to pass: only at the end)
+    def drop(self, empty):  # (only at the end: then nothing is left to pass)
         keep = torch.tensor([p for p in range(len(self.at)) if p not in empty], dtype=torch.long,
                             device=self.ks.device)
         self.rows, self.ks, self.pos = self.rows[keep], self.ks[keep], self.pos[keep]
@@ -214,7 +205,7 @@ class Flight:
 def fill_pending(model, cache, pending, R):
     # the skipped slots of the exits pending (rows, h_k, e, loops, positions each), in one write
     if pending:
-        fill_skipped(model, cache, *(torch.cat(t) for t in zip(*pending)), R)
+        exits.fill_skipped(model, cache, *(torch.cat(t) for t in zip(*pending)), R)
     return []
 
 
@@ -224,29 +215,25 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
     in prompt order, the loops each new token used, and counts: calls (of the blocks), refills (windows
     slid), passes (prompt passes), full (the share of the calls' B places that held a row)."""
     R, o = opts.n_loop or model.config.n_loop, opts
-    why = replace(o, batch_size=2).why_not(model.config, loose=True)  # one row runs at its own loop too
-    assert why is None, why
-    threshold = None if o.exit_threshold is None else exits.score_threshold(o.exit_policy, o.exit_threshold)
+    assert (why := replace(o, batch_size=2).why_not(model.config, loose=True)) is None, why  # B = 1 too
+    threshold = o.threshold_score()
     # the cache holds up to 2B rows: B in flight and up to B more passed, so that prompts take their pass B
     # at a time (as engine.generate's batches do), not one by one each time a row frees
     B = max(1, min(o.batch_size, len(prompts)))
     cache = KVCache(model, max(B, min(2 * B, len(prompts))), R, model.lm_head.weight.device,
                     model.lm_head.weight.dtype, o.kv_policy, o.kv_slots)
-    req = Requests(prompts, cache.loop_k.size(2), max_new_tokens, model.config.block_size)
+    req = Requests(prompts, cache.B, max_new_tokens, model.config.block_size)
     f, free, pending, calls, ran, passes = Flight(model, B), list(range(B)), [], 0, 0, 0
+    run = compiled(cache.loop_k.device.type) if o.compile else step
     while max_new_tokens and (free or f.at):
         while len(req.ready) < len(free) and (req.waiting or req.queue):  # passed rows for the free places
             pending = fill_pending(model, cache, pending, R)  # before a pass writes over a done row's
             prompt_pass(model, cache, req, o, B, R)
             passes += 1
-        starts, req.ready = [(p, *r) for p, r in zip(free, req.ready)], req.ready[len(free):]
-        if starts:
-            f.place(model, cache, starts)
-        if len(starts) < len(free):
-            f.drop(free[len(starts):])
+        req.ready = f.place(model, cache, free, req.ready)
         if not f.at:
             break
-        f.h, f.ks, f.prev, logits, done = step(model, cache, f, R, threshold, o.exit_policy)
+        f.h, f.ks, f.prev, logits, done = run(model, cache, f, R, threshold, o.exit_policy)
         calls, ran = calls + 1, ran + len(f.at)
         out = done.nonzero().squeeze(1)
         early, stale = out[f.ks[out] < R], bool(pending)  # a skipped slot is first read two calls on

@@ -59,6 +59,11 @@ def save(obj, path):
         pass
 
 
+def path_of(out_dir):
+    # the checkpoint a command is pointed at: the file itself, or the folder's ckpt.pt
+    return out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
+
+
 def load(path, device='cpu'):
     """A checkpoint dict written by train.py, or a clean die() if the file is missing, truncated or foreign.
 

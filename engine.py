@@ -36,21 +36,19 @@ class Decoding:
     speculate: int = None         # tokens per draft (None = 4)
     batch_size: int = 1           # serve: rows in flight (continuous depth batching, batching.py)
     use_cache: bool = True        # False: recompute the window at every token (the reference)
+    compile: bool = False         # serve: its step compiled as one graph (batching.compiled)
 
     def why_not(self, cfg, loose=False):
         """Why these options cannot decode a model of config cfg, in sample.py's flags, or None. loose (a
         library call): only what would decode wrong, not the options that would do nothing."""
-        R, adaptive, k, n = self.n_loop or cfg.n_loop, self.exit_threshold is not None, self.draft_loops, \
-            self.kv_slots
-        shared, gamma, kv = self.kv_policy == 'shared', self.speculate, self.kv_policy
-        rows = self.batch_size > 1
+        R, adaptive, k, n, gamma = self.n_loop or cfg.n_loop, self.exit_threshold is not None, \
+            self.draft_loops, self.kv_slots, self.speculate
+        shared, kv, rows = self.kv_policy == 'shared', self.kv_policy, self.batch_size > 1 or self.compile
         features = GPT.loop_features(cfg)  # what loop k reads besides h_{k-1}, e and its slots
         carried = next((why[6:] for why in features.values() if why.startswith('pass: ')), None)
-        tied = "this model's tied_routing=True needs loop 1's experts"
         rules = [
             (not adaptive or self.exit_policy != 'gate' or cfg.exit_gate == 'learned', "--exit_policy=gate "
-             "reads the learned exit gate, and this model has none (exit_gate='none'): use maxprob, margin, "
-             "entropy or kl"),
+             "reads the learned exit gate, and this model has none: use maxprob, margin, entropy or kl"),
             (loose or not n or shared, f"--kv_slots={n} sets the slots of --kv_policy=shared: add it"),
             (not shared or n, f"--kv_policy=shared needs --kv_slots=N, the slots per layer (1..{R})"),
             (loose or not n or n <= R, f"--kv_slots={n}: a token runs only {R} loops, so at most {R} slots"),
@@ -62,20 +60,20 @@ class Decoding:
             (loose or not (k and adaptive), "--draft_loops gives fixed-depth tokens: drop --exit_threshold"),
             (loose or not (k and shared), "--draft_loops verifies with every loop's own slots: drop "
              "--kv_policy=shared"),
-            (not (cfg.tied_routing and adaptive),
-             f"--exit_threshold drops exited rows between loops, and {tied} for every row: drop "
-             "--exit_threshold"),
-            (not (cfg.tied_routing and k),
-             f"--draft_loops verifies loops k+1.. in another pass, and {tied} from the same pass: drop "
-             "--draft_loops"),
+            (not (cfg.tied_routing and adaptive), "--exit_threshold drops exited rows between loops, and "
+             "this model's tied_routing=True needs loop 1's experts for every row: drop --exit_threshold"),
+            (not (cfg.tied_routing and k), "--draft_loops verifies loops k+1.. in another pass, and this "
+             "model's tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops"),
             (not (carried and (adaptive or k)), f"--exit_threshold and --draft_loops run loop k apart from "
              f"loops 1..k-1, and this model's {carried} within one pass: drop them"),
             (not (rows and k), "--draft_loops verifies a batch of rows in step: drop it or use "
-             "--batch_size=1"),
-            (not (rows and features), "--batch_size > 1 runs rows at different loops in one call, and this "
-             f"model's {next(iter(features.values()), ': ').split(': ', 1)[1]}: use --batch_size=1"),
+             "--batch_size=1, no --compile"),
+            (not (rows and features), "--batch_size > 1 and --compile run rows at different loops in one "
+             f"call, and this model's {next(iter(features.values()), ': ').split(': ', 1)[1]}: use "
+             "--batch_size=1, no --compile"),
             (not (rows and kv == 'active'), "--kv_policy=active masks visits per history, one row at a time: "
-             "use --batch_size=1 or another kv_policy")]
+             "use --batch_size=1, no --compile, or another kv_policy"),
+            (self.use_cache or not rows, "use_cache=False recomputes each window: batch_size=1, no compile")]
         why = next((msg for ok, msg in rules if not ok), None)
         if why is None and adaptive:
             try:
@@ -83,6 +81,11 @@ class Decoding:
             except ValueError as e:
                 why = f"--{e}"
         return why
+
+    def threshold_score(self):
+        # the score an exit must reach (exits.score_threshold), or None: every token runs all its loops
+        return None if self.exit_threshold is None else exits.score_threshold(self.exit_policy,
+                                                                               self.exit_threshold)
 
 # -----------------------------------------------------------------------------
 # sampling
@@ -160,20 +163,24 @@ class KVCache:
         n = kv_slots if policy == 'shared' else R
         shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         zeros = lambda *size, dtype=dtype: torch.zeros(size, device=device, dtype=dtype)
-
         untied = lambda n: [Slot(zeros(*shape), zeros(*shape)) for _ in range(n)]
-        # the loop's slots are views of one tensor each for keys and values, (n, K, B, nh, T, hs): rows
-        # that stand at other loops gather from it in one index (batching.py)
-        self.loop_k, self.loop_v = zeros(n, cfg.n_layer, *shape), zeros(n, cfg.n_layer, *shape)
+        # the loop's slots are views of one tensor for keys, one for values, (n K B, nh, T, hs): rows at other
+        # loops gather from it in one index, and a compiled step writes it in place (batching.py)
+        self.loop_k, self.loop_v = (zeros(n * cfg.n_layer * B, *shape[1:]) for _ in 'kv')
         reach = lambda: zeros(B, cfg.block_size, dtype=torch.bool) if policy == 'active' else None
-        loop = [Slot(self.loop_k[s, j], self.loop_v[s, j], reach())
+        visit = lambda t, s, j: t.view(n, cfg.n_layer, *shape)[s, j]  # (B, nh, T, hs)
+        loop = [Slot(visit(self.loop_k, s, j), visit(self.loop_v, s, j), reach())
                 for s in range(n) for j in range(cfg.n_layer)]
         self.slots = dict(prelude=untied(cfg.n_prelude), loop=loop, coda=untied(cfg.n_coda))
-        self.K, self.n, self.policy, self.rows = cfg.n_layer, n, policy, None
+        self.K, self.n, self.B, self.policy, self.rows = cfg.n_layer, n, B, policy, None
 
     def slot(self, part, j, k=1):
         s = self.slots[part][j] if part != 'loop' else self.slots['loop'][(k - 1) % self.n * self.K + j]
         return s if self.rows is None else s.through(self.rows)
+
+    def entry(self, k, rows):
+        # where cache rows `rows` keep loop k's keys of layer 0 in loop_k (layer j: j B further on)
+        return (k - 1) % self.n * self.K * self.B + rows
 
     def select(self, rows):
         # the cache seen through batch rows `rows` (None = all): for a model run on those rows only
@@ -215,7 +222,7 @@ def verify(model, state, cache, pos, k, R):
     (h_k, e) (B, T, C): exit R's logits (B, T, V), fixed-R's numbers (loops 1..k are the draft's own)."""
     h, e = state
     h = model.loops(h, e, range(k + 1, R + 1), cache, pos).states[-1]
-    return model.lm_head(model.coda_readout(h, R, cache, pos)).float()
+    return model.readout(h, R, cache, pos).float()
 
 
 def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
@@ -253,6 +260,11 @@ def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
 # -----------------------------------------------------------------------------
 # generate
 
+def slide(n, start, block_size):
+    # where the window of n tokens from start begins: past the block size it slides to its last half
+    return n - max(1, block_size // 2) if n - start > block_size else start
+
+
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, opts=Decoding()):
     """Sample max_new_tokens after idx (B, T) as opts say. Returns idx with them, the loops each new token
@@ -262,12 +274,12 @@ def generate(model, idx, max_new_tokens, opts=Decoding()):
     why = opts.why_not(model.config, loose=True)
     assert why is None, why
     o, R, bs = opts, opts.n_loop or model.config.n_loop, model.config.block_size
-    threshold = None if o.exit_threshold is None else exits.score_threshold(o.exit_policy, o.exit_threshold)
+    threshold = o.threshold_score()
     start, cache, used = max(0, idx.size(1) - bs), None, []  # the context window is idx[:, start:]
     stats = Counter(refills=0, drafted=0, checked=0, accepted=0)
     while len(used) < max_new_tokens:
-        if idx.size(1) - start > bs:
-            start, cache = idx.size(1) - max(1, bs // 2), None
+        if (s := slide(idx.size(1), start, bs)) != start:
+            start, cache = s, None
             stats['refills'] += 1
         pos = idx.size(1) - 1 - start  # the last token's position in the window (once cached)
         loops = torch.full((idx.size(0),), float(R), device=idx.device)

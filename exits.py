@@ -19,6 +19,7 @@ leaves there is the kv_policy:
              unless its slot holds nothing of this token yet (then it copies loop k's)
   active     nothing: loop k's attention sees only the positions that reached loop k (MoR)
 """
+import itertools
 import math
 
 import torch
@@ -74,25 +75,26 @@ def score_at_exit(model, policy, z, logits, prev=None):
     return exit_score(logits, policy), None
 
 
-def fill_skipped(model, cache, h, e, k, R, pos):
-    """Rows that exit at loop k with state h (B', T, C) and prelude output e (cache: the cache seen
-    through those rows) skip loops k+1..R: fill those visits' slots at pos as cache.policy says."""
+def fill_skipped(model, cache, rows, h, e, ks, pos, R):
+    """Cache rows `rows` (P,) whose tokens at positions pos (P,) exit at loops ks (P,) < R, with states h
+    (P, 1, C) and prelude outputs e, fill the slots of the loops they skip as cache.policy says, in one write
+    for every row, loop and layer: batch 1 and depth batching alike (a row may come twice, at two
+    positions). The loops a row ran keep their slots, written back as they are: no host read of which."""
+    # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
+    last = min(R, cache.n) if cache.policy == 'shared' else R
+    loops, layers = torch.arange(1, last + 1, device=ks.device), torch.arange(cache.K, device=ks.device)
+    entry = lambda k: cache.entry(k, rows[:, None])[..., None] + layers * cache.B  # (P, L, K) in loop_k
+    to, p, skip = entry(loops), pos[:, None, None], (loops > ks[:, None])[..., None, None, None]
     if cache.policy == 'recompute':
-        x, rope = model.carry(h, e), model.rope(pos, h.size(1))  # what loop k+1 would read
-        for j, block in enumerate(model.transformer.h):
-            _, keys, values = block.attn.qkv(block.ln_1(x), rope)  # the same in every skipped loop
-            for k2 in range(k + 1, R + 1):
-                cache.slot('loop', j, k2).write(keys, values, pos)
-    elif cache.policy in ('copy', 'shared'):
-        # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
-        last = R if cache.policy == 'copy' else min(R, cache.n)
-        for k2 in range(k + 1, last + 1):
-            for j in range(cache.K):
-                cache.slot('loop', j, k2).copy_from(cache.slot('loop', j, k), pos)
-    else:  # active: loops k+1..R's attention will not see this position
-        for k2 in range(k + 1, R + 1):
-            for j in range(cache.K):
-                cache.slot('loop', j, k2).hide(pos)
+        x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read, the same in each
+        kv = [block.attn.qkv(block.ln_1(x), rope)[1:] for block in model.transformer.h]
+        for t, new in ((cache.loop_k, [k for k, _ in kv]), (cache.loop_v, [v for _, v in kv])):
+            new = torch.stack(new, 1)[:, None, :, :, 0].to(t.dtype)  # (P, 1, K, nh, hs)
+            t[to, :, p] = torch.where(skip, new, t[to, :, p])     # (P, L, K, nh, hs)
+    else:
+        frm = entry(ks[:, None])  # (P, 1, K): the slots of the loop each row exited at
+        for t in (cache.loop_k, cache.loop_v):
+            t[to, :, p] = torch.where(skip, t[frm, :, p], t[to, :, p])
 
 
 @torch.no_grad()
@@ -100,8 +102,8 @@ def adaptive_forward(model, idx, cache, pos, R, threshold, policy, rows=None):
     """Run tokens idx (B, T) at positions pos.. through up to R loops, writing the cache: the last
     position's logits (B, V) at each row's exit and the loops each row used (B,). A row stops at the
     first loop whose score reaches threshold (a score: see score_threshold), and leaves the batch for the
-    loops after it; fill_skipped fills the slots it skips. rows: the cache rows idx's rows are (default:
-    all)."""
+    loops after it; fill_skipped fills the slots it skips ('active': hides them). rows: the cache rows
+    idx's rows are (default: all)."""
     B = idx.size(0)
     every = torch.arange(B, device=idx.device)
 
@@ -124,8 +126,12 @@ def adaptive_forward(model, idx, cache, pos, R, threshold, policy, rows=None):
             continue
         done = live[out]
         logits[done], used[done], h_exit[done] = logits_k[out], float(k), h[out]
-        if k < R:
-            fill_skipped(model, view(done), h[out], e[out], k, R, pos)
+        if k < R and cache.policy == 'active':  # loops k+1..R's attention will not see this position
+            for k2, j in itertools.product(range(k + 1, R + 1), range(cache.K)):
+                view(done).slot('loop', j, k2).hide(pos)
+        elif k < R:  # done's cache rows, each exiting at loop k, position pos
+            c, zero = done if rows is None else rows[done], torch.zeros_like(done)
+            fill_skipped(model, cache, c, h[out], e[out], zero + k, zero + pos, R)
         live, stay = live[~out], ~out
         if live.numel() == 0:
             break

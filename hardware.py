@@ -4,6 +4,7 @@ Hardware policy: what this machine can run fast, decided in one place, outside t
     auto_dtype(device_type)     what dtype='auto' trains in, and why (bf16 where the hardware has it)
     cpu_bf16_units()            the CPU's native bf16 matrix instructions, or None
     peak_flops(device_name)     a GPU's bf16 datasheet peak, for MFU
+    peak_bandwidth(device_name) a GPU's datasheet memory bandwidth, for decoding's bandwidth utilization
     attention_path(...)         the attention kernel attn_impl='auto' stands for
     pick_device(name)           the torch device a --device flag names, if this machine has it (train.py
                                 through ops.init_processes, sample.py, lab/harness.py)
@@ -44,6 +45,17 @@ def peak_flops(device_name):
         if name.lower() in str(device_name).lower():
             return flops
     return None
+
+
+# memory bandwidth in bytes/s by device name (datasheet; the first name that matches), for the bandwidth
+# utilization of decoding at batch 1, which reads every weight once a token and does little else
+PEAK_BANDWIDTH = {'H200': 4.8e12, 'H100 PCIe': 2.0e12, 'H100': 3.35e12, 'A100-SXM4-80GB': 2.04e12,
+                  'A100': 1.56e12, 'L40S': 0.864e12, 'L4': 0.3e12, 'A10': 0.6e12, 'RTX 4090': 1.008e12,
+                  'RTX 3090': 0.936e12, 'V100': 0.9e12, 'T4': 0.32e12}
+
+
+def peak_bandwidth(device_name):
+    return next((bw for name, bw in PEAK_BANDWIDTH.items() if name.lower() in str(device_name).lower()), None)
 
 
 def cpu_bf16_units():

@@ -8,7 +8,6 @@ Sample from a trained looped GPT, as nanoGPT's sample.py does. Flags are --key=v
     python sample.py --out_dir=out --draft_loops=1 --speculate=4 --start=FILE:prompt.txt  # self-speculative
     python sample.py --out_dir=out --prompts=prompts.txt --batch_size=8 --exit_threshold=0.9  # depth batching
 """
-import os
 import sys
 import time
 from collections import Counter
@@ -43,6 +42,7 @@ speculate = 4                # with draft_loops: tokens per draft
 meta = ''                    # a meta.json (or its folder); '' = data/<dataset>/meta.json, else the ckpt's
 prompts = ''                 # a file of prompts, one a line (blank lines skipped), each decoded once
 batch_size = 1               # rows in flight (continuous depth batching, batching.py); 1 = one at a time
+compile = False              # decode through batching.py's step compiled as one graph (torch.compile)
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, str))]
 defaults = {k: globals()[k] for k in config_keys}  # main() starts every call from these
 
@@ -61,7 +61,7 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     ptdtype = torch.bfloat16 if device_type == 'cuda' and torch.cuda.is_bf16_supported() else torch.float16
     ctx = torch.autocast(device_type=device_type, dtype=ptdtype) if device_type == 'cuda' else nullcontext()
-    ckpt_path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
+    ckpt_path = checkpoint.path_of(out_dir)
     ckpt = checkpoint.load(ckpt_path)  # on the CPU: the weights go to the device with the model
     encode, decode = get_tokenizer(checkpoint_meta(meta, ckpt, ckpt_path))
     try:
@@ -73,7 +73,7 @@ def main(argv=None):
     model = checkpoint.build_model(ckpt).eval().to(dev)  # the optimizer state is not needed to sample
     opts = Decoding(temperature, top_k or None, n_loop or None, None if exit_threshold == -1 else
                     exit_threshold, exit_policy, kv_policy, kv_slots or None, draft_loops,
-                    speculate if 'speculate' in explicit else None, batch_size)
+                    speculate if 'speculate' in explicit else None, batch_size, compile=compile)
     if why := opts.why_not(model.config):
         die(why)
     R = opts.n_loop or model.config.n_loop
@@ -104,12 +104,12 @@ def mode(opts, R):  # the decoding in words, for the header line
         words += f", self-speculative (drafts of {speculate} tokens from loop {draft_loops})"
     if kv_policy != 'recompute':
         words += f", kv_policy={kv_policy}" + (f" ({kv_slots} slots)" if kv_slots else "")
-    return words + (f", {batch_size} rows in flight" if batch_size > 1 else "")
+    return words + (f", {batch_size} rows in flight" if batch_size > 1 else "") + (", compiled" * compile)
 
 
 def decode_rows(model, rows, opts, dev):
     # every prompt's tokens, the loops each new token used, the decoding's counts
-    if opts.batch_size > 1:  # continuous depth batching: rows at their own loops share each block call
+    if opts.batch_size > 1 or opts.compile:  # depth batching: rows at their own loops share each call
         return serve(model, rows, max_new_tokens, opts)
     runs = [generate(model, torch.tensor([ids], device=dev), max_new_tokens, opts) for ids in rows]
     return ([y[0].tolist() for y, _, _ in runs], [u[0].tolist() for _, u, _ in runs],

@@ -40,7 +40,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import checkpoint
 from ablate import code_version
-from engine import KVCache, decode_step
+from engine import KVCache, decode_step, slide
 from errors import Parser, die
 from exits import EXIT_POLICIES, KV_POLICIES, adaptive_step, score_at_exit, score_threshold
 from eval_depth import adaptive_curves, exit_stats, json_safe, quantile_thresholds, val_windows
@@ -72,8 +72,8 @@ def decode(model, X, Y, n_loop, threshold=None, exit_policy='maxprob', kv_policy
     loops = torch.zeros(B, T)
     start, cache, refills = 0, None, 0
     for t in range(T):
-        if t + 1 - start > bs:  # the window X[:, start:t+1] is longer than the block: slide it (generate)
-            start, cache = t + 1 - max(1, bs // 2), None
+        if (s := slide(t + 1, start, bs)) != start:  # the window X[:, start:t+1] slid (as generate's)
+            start, cache = s, None
             refills += 1
         pos = t - start
         if cache is None:

@@ -418,7 +418,7 @@ def open_checkpoint(out_dir, device, script):
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
     if device == 'cpu':
         torch.set_num_threads(cpu_threads())
-    path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
+    path = checkpoint.path_of(out_dir)
     if not os.path.isfile(path):  # checkpoint.load's hint names train.py's --out_dir, which this lacks
         die(f"checkpoint {path} not found: pass {script} the folder holding ckpt.pt, or the file, "
             f"as its first argument (python lab/{script}.py OUT_DIR)")

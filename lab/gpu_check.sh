@@ -10,7 +10,13 @@
 #      fit and its report go to $OUT/iso (24 runs + 4 noise runs: the fit may say "not identified", the
 #      point is the runs' speed, to size the paper's grid from)
 #   6. (STEPS=depth only) continuous depth batching: bench row 18 at d 512 and d 2048, batch 8 and 32
-#      (batching.serve and today's batched adaptive decoding against fixed R, fp32), about 2 minutes
+#      (batching.serve and today's batched adaptive decoding against fixed R, fp32), about 2 minutes; then
+#      the compiled step (CUDA graphs) on a d 512 and a d 2048 model trained 150 steps on
+#      data/shakespeare_char: lab/serve_bench.py --compile at batch 8, 32 and 64 (4B prompts of 14
+#      characters from the validation text, 24 new tokens each), fixed-R eager and compiled and depth
+#      batching at maxprob >= 0.15 under kv_policy copy, tokens/s, the fraction of the prefill-adjusted
+#      bound and the steady state; at batch 1 the memory-bandwidth utilization of fixed-R decoding (needs
+#      python prepare.py shakespeare_char; each call within 100 s, about 8 minutes in all)
 #   7. (STEPS=lab only) laptop sweeps whose CPU cost is hours, on the GPU in fp32 (TF32 off), several runs
 #      at once for LAB_SECONDS (default 360): moe_4x2 (18 runs of 1,000 steps) and matched_pairs (the
 #      RMSNorm and penalty arms, 6 runs evaluated at 1,000, 3,000 and 10,000 steps), each compared pair on
@@ -30,7 +36,7 @@
 # path is taken from the repository root). Each step has its own time limit so one slow step cannot take the
 # others' time (560 s in all: the whole script stays under ~9.5 minutes). STEPS picks steps (default: 1-4):
 # STEPS=moe bash lab/gpu_check.sh is the Looped-MoE check alone, about 3.5 minutes; STEPS=iso is step 5
-# alone, within 5; STEPS=depth is step 6 alone, within 2.5; STEPS=lab step 7, within LAB_SECONDS (steps
+# alone, within 5; STEPS=depth is step 6 alone, within 11; STEPS=lab step 7, within LAB_SECONDS (steps
 # 5-7 are not in the default: any would take the script past 9.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root: train.py, config/, data/
@@ -91,6 +97,26 @@ want iso && timeout 300 $PY lab/isodepth.py --preset=gpu --budgets=2e14,6e14 --w
 #    24 new tokens each, medians of 3)
 want depth && timeout 140 $PY lab/bench.py --device=cuda --only=depth_batching \
   --out="$OUT/bench_depth_cuda.json" 2>&1 | tee "$OUT/bench_depth_cuda.log"
+if want depth; then  # the compiled step on trained checkpoints (docs/decoding.md, "The step compiled")
+  $PY - <<'EOF'
+import array, json
+meta = json.load(open('data/shakespeare_char/meta.json'))
+ids = array.array('H', open('data/shakespeare_char/val.bin', 'rb').read())
+lines = [line for line in ''.join(meta['itos'][i] for i in ids).splitlines() if len(line) >= 14]
+open('/tmp/gpu_prompts.txt', 'w').write('\n'.join(lines[-256:]) + '\n')
+EOF
+  for C in 512 2048; do
+    timeout 100 $PY train.py --dataset=shakespeare_char --n_embd=$C --n_head=$((C / 64)) --init=gpt2 \
+      --learning_rate=2e-3 --max_iters=150 --lr_decay_iters=150 --eval_interval=150 --eval_iters=2 \
+      --dtype=float32 --device=cuda --out_dir=/tmp/gpu_depth_d$C 2>&1 | tail -n 3
+    for B in 1 8 32 64; do
+      head -n $((B == 1 ? 8 : 4 * B)) /tmp/gpu_prompts.txt > /tmp/gpu_prompts_b$B.txt
+      timeout 100 $PY lab/serve_bench.py /tmp/gpu_depth_d$C --prompts=/tmp/gpu_prompts_b$B.txt \
+        --prompt_chars=14 --batch_size=$B --max_new_tokens=24 --thresholds=0.15 --kv_policy=copy \
+        --repeats=3 --device=cuda --timer=wall --compile 2>&1 | tee "$OUT/serve_compiled_d${C}_b$B.log"
+    done
+  done
+fi
 
 # 7. the lab sweeps on the GPU: both at once, each run a process of its own sharing the one GPU
 if want lab; then

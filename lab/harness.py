@@ -49,7 +49,7 @@ class NanoLoop(LM):
 
     def __init__(self, out_dir='out', n_loop=None, depths=(), batch_size=16, device='cpu', meta=None):
         super().__init__()
-        path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, 'ckpt.pt')
+        path = checkpoint.path_of(out_dir)
         ckpt = checkpoint.load(path)
         meta = checkpoint_meta(meta, ckpt, path)  # as sample.py finds it
         self.encode, self.decode = get_tokenizer(meta)
@@ -198,7 +198,7 @@ def main(argv=None):
         die(f"--limit={args.limit}: must be > 0 (a count of examples, or below 1 a fraction)")
     if lm_eval is None:
         die("lab/harness.py needs lm-evaluation-harness: pip install lm-eval")
-    path = args.out_dir if os.path.isfile(args.out_dir) else os.path.join(args.out_dir, 'ckpt.pt')
+    path = checkpoint.path_of(args.out_dir)
     if not os.path.isfile(path):
         die(f"{args.out_dir}: no ckpt.pt there (train one first: python train.py --out_dir={args.out_dir})")
     if args.include_path and not os.path.isdir(args.include_path):

@@ -208,9 +208,12 @@ def test_serve_bench_times_every_path_against_fixed_r_generate_in_one_table(tiny
     assert [r[0] for r in rows] == [serve_bench.FIXED, 'fixed-R through serve',
                                     'serve, copy, maxprob >= 0.05', 'serve, copy, maxprob >= 0.999']
     R = int(out.split(' R ')[1].split(',')[0])
-    served = float(rows[1][3][:-1])  # fixed-R through serve's speed-up over fixed-R generate
-    for name, loops, seconds, speedup, of_ideal, of_served, full in rows:
+    served = float(rows[1][4][:-1])  # fixed-R through serve's speed-up over fixed-R generate
+    for name, loops, seconds, tok_s, speedup, of_ideal, of_served, full, steady, steady_of in rows:
+        assert steady == steady_of == '-'  # 4 prompts at batch 2: none start after the 4th finishes
         median, spread = seconds.split(' ')
+        m = float(median)  # (to 0.01 s): new tokens / s is the 4 prompts' 5 tokens each over the median
+        assert 20 / (m + 0.005) <= float(tok_s) + 0.05 and float(tok_s) - 0.05 <= 20 / max(m - 0.005, 1e-9)
         low, high = map(float, spread.strip('()').split('-'))
         assert low <= float(median) <= high
         # the fraction of the ideal is the speed-up over fixed-R generate divided by R / mean loops; the
@@ -218,8 +221,8 @@ def test_serve_bench_times_every_path_against_fixed_r_generate_in_one_table(tiny
         assert float(of_ideal) == pytest.approx(float(speedup[:-1]) * float(loops) / R, abs=0.011)
         assert float(of_served) == pytest.approx(float(of_ideal) / served, rel=0.03, abs=0.011)
         assert full == '-' if name == serve_bench.FIXED else 0 < float(full) <= 1
-    assert rows[0][3] == '1.00x' and float(rows[0][1]) == float(rows[1][1]) == R
-    assert rows[1][6] == '1.00'  # at fixed R the rows of one length move in step: every call runs full
+    assert rows[0][4] == '1.00x' and float(rows[0][1]) == float(rows[1][1]) == R
+    assert rows[1][7] == '1.00'  # at fixed R the rows of one length move in step: every call runs full
     assert float(rows[2][1]) < float(rows[3][1])  # a lower threshold exits earlier
 
 
@@ -296,3 +299,54 @@ def test_the_decode_step_compiles_as_one_graph_and_decodes_as_eager(opts, monkey
     if opts:
         assert any(k < m.config.n_loop for u in eager[1] for k in u)  # some token exited early
     torch._dynamo.reset()
+
+
+def test_the_compiled_step_decodes_as_eager_and_refuses_what_serve_cannot_run(monkeypatch):
+    # Decoding(compile=True): batching.compiled's one graph (inductor's kernels on the CPU) in place of
+    # the eager step, at batch 1 (sample.py --compile) and with rows at other loops; and it must be the
+    # compiled step that ran, not the eager one
+    torch._dynamo.reset()
+    m, ps = tiny(pos='rope', n_coda=1), prompts()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(0.1)  # rows exit at other loops in the same call
+    kw = dict(temperature=0, exit_threshold=0.05)
+    eager = [serve(m, ps, 8, Decoding(batch_size=B, **kw)) for B in (1, 3)]
+    batching.compiled('cpu')  # made from the eager step, which serve then cannot reach
+    monkeypatch.setattr(batching, 'step', None)
+    compiled = [serve(m, ps, 8, Decoding(batch_size=B, compile=True, **kw)) for B in (1, 3)]
+    assert [c[:2] for c in compiled] == [e[:2] for e in eager]
+    assert any(k < m.config.n_loop for u in eager[1][1] for k in u)
+    why = Decoding(compile=True, draft_loops=1).why_not(m.config)
+    assert '--compile' in why and '\n' not in why
+    assert '--compile' in Decoding(compile=True).why_not(tiny(injection='iso').config)
+    torch._dynamo.reset()
+
+
+def test_the_gpu_checks_compiled_step_runs_serve_bench_as_written_and_counts_batch_1s_bytes(
+        tiny_data, tiny_ckpt, repo_dir, tmp_path, monkeypatch, capsys):
+    # lab/gpu_check.sh step 6's serve_bench call, as written there, on the CPU: its prompts come from the
+    # data's validation text, and at batch 1 it prints the bytes a fixed-R token reads
+    import re
+    import serve_bench
+    script = (repo_dir / 'lab' / 'gpu_check.sh').read_text(encoding='utf-8').replace('\\\n', ' ')
+    maker = script.split("$PY - <<'EOF'\n")[1].split('\nEOF')[0]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'data' / 'shakespeare_char').symlink_to(tiny_data)
+    prompts = tmp_path / 'p.txt'
+    exec(maker.replace('/tmp/gpu_prompts.txt', str(prompts)), {})
+    lines = prompts.read_text(encoding='utf-8').splitlines()
+    assert lines and all(len(line) >= 14 for line in lines)
+    prompts.write_text('\n'.join(lines[:3]) + '\n', encoding='utf-8')  # (the script's batch 1 takes 8)
+    call = re.search(r'lab/serve_bench.py (.*?) 2>&1', script).group(1).split()
+    on_cpu = {'--device=cuda': '--device=cpu', '--timer=wall': '--timer=process'}
+    args = [on_cpu.get(a, a).replace('$B', '1') for a in call[2:] if a != '--compile']  # (compiled: above)
+    serve_bench.main([str(tiny_ckpt), f'--prompts={prompts}', *args, '--repeats=1', '--max_new_tokens=4'])
+    out = capsys.readouterr().out
+    assert 'batch 1' in out and re.search(r'reads [\d.]+ MB a token: [\d.]+ GB/s', out)
+    # the bytes: the shared blocks once a loop, every visit's keys and values up to the position
+    m4, m2 = tiny(n_loop=4, n_coda=1), tiny(n_loop=2, n_coda=1)
+    block = sum(p.numel() for p in m4.transformer.h.parameters()) * 4
+    C, K = m4.config.n_embd, m4.config.n_layer
+    kv = serve_bench.bytes_per_token(m4, 11) - serve_bench.bytes_per_token(m4, 10)
+    assert kv == (4 * K + 1) * 2 * C * 4  # R K loop visits and the coda's block, keys and values, fp32
+    assert serve_bench.bytes_per_token(m4, 0) - serve_bench.bytes_per_token(m2, 0) == 2 * block

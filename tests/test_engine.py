@@ -389,6 +389,8 @@ def test_sample_reports_tokens_per_second_loops_and_acceptance(tiny_data, tiny_c
     (['--speculate=2'], 'add --draft_loops'),
     (['--draft_loops=1', '--exit_threshold=0.5'], 'drop --exit_threshold'),
     (['--draft_loops=1', '--kv_policy=shared', '--kv_slots=1'], 'drop --kv_policy=shared'),
+    (['--draft_loops=1', '--compile=True'], 'no --compile'),
+    (['--compile=1'], '--compile'),
 ])
 def test_bad_decoding_flags_are_one_line_errors(tiny_data, tiny_ckpt, monkeypatch, args, says):
     monkeypatch.chdir(tiny_data.parent.parent)
