@@ -416,6 +416,20 @@ def matched(base, case):
     return ib, ic, np.unique(group, axis=0, return_inverse=True)[1].ravel()
 
 
+def fewest_seeds(t, idx):
+    """The fewest seeds any (budget, r, width) cell holds among the runs idx of table t: what a verdict on
+    those runs rests on, a cell at a time."""
+    cell = {}
+    for i in idx:
+        key = round(math.log(t['budget'][i]), 2), t['r'][i], t['width'][i]
+        cell.setdefault(key, set()).add(t['seed'][i])
+    return min(len(v) for v in cell.values())
+
+
+def seeds_label(n):
+    return f"{n} seed{'s' if n > 1 else ''}"
+
+
 def logs_of(t, idx):
     return np.log(np.stack([t[c][idx] for c in COLUMNS]))  # log n_once, n_rec, r, tokens, L
 
@@ -437,7 +451,7 @@ def grouped_delta_phi(base, case, starts, resamples, boot_starts, seed=0):
         deltas.append(phis[1] - phis[0])
     lo, hi = (float(v) for v in np.percentile(deltas, [2.5, 97.5]))
     return dict(delta_phi=float(point[1][-1] - point[0][-1]), ci=[lo, hi], n_runs=len(ib), n_groups=len(rows),
-                baseline_phi=float(point[0][-1]), case_phi=float(point[1][-1]))
+                seeds=fewest_seeds(base, ib), baseline_phi=float(point[0][-1]), case_phi=float(point[1][-1]))
 
 
 def grouped_phi(t, starts, resamples, boot_starts, seed=0):
@@ -457,7 +471,7 @@ def grouped_phi(t, starts, resamples, boot_starts, seed=0):
         take = np.concatenate([rows[k] for k in rng.integers(len(rows), size=len(rows))])
         boot.append(fit_once(x[:4, take], x[4, take], [free, *random_starts(rng, boot_starts)], BOX)[0][-1])
     out = dict(phi=float(free[-1]), ci=[float(v) for v in np.percentile(boot, [2.5, 97.5])], n_runs=len(g),
-               n_groups=len(rows))
+               n_groups=len(rows), seeds=fewest_seeds(t, range(len(g))))
     noise = x[4] - predict(free, *x[:4])[0]
     for phi in (0.0, 1.0):
         null, observed = fitted[phi][0], fitted[phi][1] - fitted[None][1]
@@ -475,35 +489,46 @@ GROUP_UNIT = '(budget, width) groups'
 
 
 def grouped_verdicts(res):
-    """[(key, word, why)] of the grouped analysis, each from the one rule (lab/verdict.py)."""
+    """[(key, word, seeds, why)] of the grouped analysis, each from the one rule (lab/verdict.py); seeds:
+    the fewest any cell of its runs holds."""
     base, out = res['baseline'], []
     lo, hi = base['ci']
     n = base['n_groups']
     ends = [verdict(base['phi'], lo, hi, n=n, unit=GROUP_UNIT),                    # phi > 0
             verdict(1 - base['phi'], 1 - hi, 1 - lo, n=n, unit=GROUP_UNIT)]        # phi < 1
-    out.append((CLAIMS['baseline'], weakest([w for w, _ in ends]),
+    out.append((CLAIMS['baseline'], weakest([w for w, _ in ends]), base['seeds'],
                 f"phi {base['phi']:.3f} over {base['n_runs']} runs; above 0: {ends[0][1]}; 1 - phi above 0: "
                 f"{ends[1][1]}; wild bootstrap over the groups: p {base['p_phi0']:.2g} for phi = 0, "
                 f"{base['p_phi1']:.2g} for phi = 1"))
     word, why = verdict(base['phi'], lo, hi, paper=PAPER_PHI['baseline'], n=n, unit=GROUP_UNIT)
-    out.append(("phi at the paper's size", word, f"the paper's phi {PAPER_PHI['baseline']}: {why}"))
-    for case, sign in (('truncated', -1), ('hyper', +1)):
+    out.append(("phi at the paper's size", word, base['seeds'],
+                f"the paper's phi {PAPER_PHI['baseline']}: {why}"))
+    for case, sign in [(c, s) for c, s in (('truncated', -1), ('hyper', +1)) if c in res]:
         d = res[case]
         paper = PAPER_PHI[case] - PAPER_SUBSET_PHI  # the paper's delta phi, from its subset baseline
         word, why = verdict(d['delta_phi'], *d['ci'], paper=paper, sign=sign, n=d['n_groups'],
                             unit=GROUP_UNIT)
-        out.append((CLAIMS[case], word, f"delta phi on {d['n_runs']} matched runs (same budget, r, width, "
-                    f"seed); phi {d['baseline_phi']:.3f} baseline, {d['case_phi']:.3f} {case}: {why}"))
+        out.append((CLAIMS[case], word, d['seeds'],
+                    f"delta phi on {d['n_runs']} matched runs (same budget, r, width, seed); phi "
+                    f"{d['baseline_phi']:.3f} baseline, {d['case_phi']:.3f} {case}: {why}"))
     return out
+
+
+def grouped_verdict_lines(res):
+    return [f"- {key}: {word} ({seeds_label(n)}); {why}" for key, word, n, why in grouped_verdicts(res)]
 
 
 def grouped(args):
     """--grouped: refit the report's CSVs by (budget, width) groups; writes assets/isodepth_grouped.md
     (under --report_dir)."""
-    tables = {c: read_table(os.path.join(args.report_dir, f'isodepth_{c}.csv')) for c in CASES}
+    path = os.path.join(args.report_dir, 'isodepth_{}.csv')
+    # the baseline's table, and each case study's that holds runs of its own (r > 1: r = 1 is shared)
+    tables = {c: read_table(path.format(c)) for c in CASES
+              if c == 'baseline' or os.path.isfile(path.format(c))}
+    tables = {c: t for c, t in tables.items() if c == 'baseline' or (t['r'] > 1).any()}
     res = dict(baseline=grouped_phi(tables['baseline'], args.starts, args.resamples, args.boot_starts,
                                     args.seed))
-    for case in ('truncated', 'hyper'):
+    for case in [c for c in ('truncated', 'hyper') if c in tables]:
         res[case] = grouped_delta_phi(tables['baseline'], tables[case], args.starts, args.resamples,
                                       args.boot_starts, args.seed)
     b = res['baseline']
@@ -521,13 +546,12 @@ def grouped(args):
              f"[{b['ci'][0]:.3f}, {b['ci'][1]:.3f}] | {b['p_phi0']:.2g} | {b['p_phi1']:.2g} |", "",
              "| case | matched runs | groups | phi, baseline | phi, case | delta phi | 95 % CI | paper |",
              "|---|---|---|---|---|---|---|---|"]
-    for case in ('truncated', 'hyper'):
+    for case in [c for c in ('truncated', 'hyper') if c in res]:
         d = res[case]
         lines.append(f"| {case} | {d['n_runs']} | {d['n_groups']} | {d['baseline_phi']:.3f} | "
                      f"{d['case_phi']:.3f} | {d['delta_phi']:+.3f} | "
                      f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] | {PAPER_PHI[case] - PAPER_SUBSET_PHI:+.3f} |")
-    lines += ["", "### Verdicts", ""] + [f"- {key}: {word} (1 seed); {why}"
-                                         for key, word, why in grouped_verdicts(res)]
+    lines += ["", "### Verdicts", ""] + grouped_verdict_lines(res)
     path = os.path.join(args.report_dir, GROUPED + '.md')
     with open(path, 'w', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
@@ -940,9 +964,9 @@ def verdicts(cases):
     return out
 
 
-def verdict_lines(cases):
-    """The "### Verdicts" block of the report."""
-    return ["### Verdicts", ""] + [f"- {claim}: {word} (1 seed); {why}"
+def verdict_lines(cases, seeds=1):
+    """The "### Verdicts" block of the report; seeds: the fewest any (budget, r, width) cell holds."""
+    return ["### Verdicts", ""] + [f"- {claim}: {word} ({seeds_label(seeds)}); {why}"
                                    for claim, word, why in verdicts(cases).values()] + [""]
 
 
@@ -1004,7 +1028,10 @@ def report_lines(out, jobs):
     for row in out['runs']:
         lines.append(f"| {row['name']} | {row['n_once']:,} | {row['n_rec']:,} | {row['r']} | "
                      f"{row['steps']:,} | {row['tokens']:,} | {fmt(row['loss'], '.4f')} |")
-    return lines + [""] + verdict_lines(out['cases'])
+    cell = {}
+    for row in out['runs']:
+        cell.setdefault((row['case'], row['budget'], row['r'], row['width']), set()).add(row['seed'])
+    return lines + [""] + verdict_lines(out['cases'], min(map(len, cell.values()), default=1))
 
 
 def plots(out, report_dir):

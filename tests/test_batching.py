@@ -350,3 +350,35 @@ def test_the_gpu_checks_compiled_step_runs_serve_bench_as_written_and_counts_bat
     kv = serve_bench.bytes_per_token(m4, 11) - serve_bench.bytes_per_token(m4, 10)
     assert kv == (4 * K + 1) * 2 * C * 4  # R K loop visits and the coda's block, keys and values, fp32
     assert serve_bench.bytes_per_token(m4, 0) - serve_bench.bytes_per_token(m2, 0) == 2 * block
+
+
+def test_the_batch_8_bar_is_what_the_eight_committed_calls_say_copy_holds_it_recompute_sits_on_it():
+    # docs/decoding.md's table of the batch-8 bar (>= 0.85 of the prefill-adjusted bound, d 512) recomputed
+    # from the raw calls in assets/serve_b8_repeats.txt: a call is the unit, its t-interval the evidence
+    import os
+    import re
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, 'lab'))
+    from verdict import mean_ci
+    path = os.path.join(root, 'assets', 'serve_b8_repeats.txt')
+    calls = open(path, encoding='utf-8').read().split('=== call')
+    whole, steady = {}, {}
+    for call in calls[1:]:
+        for line in call.splitlines():
+            c = [x.strip() for x in line.split('|')]
+            if line.startswith('| serve, '):
+                key = (c[1].split(',')[1].strip(), c[1].endswith('compiled'))  # (kv policy, compiled)
+                whole.setdefault(key, []).append(float(c[7]))
+                steady.setdefault(key, []).append(float(c[10]))
+    assert len(calls) - 1 == 8 and all(len(v) == 8 for v in whole.values())
+    doc = open(os.path.join(root, 'docs', 'decoding.md'), encoding='utf-8').read()
+    for policy, word in (('recompute', 'inconclusive'), ('copy', 'holds')):
+        cis = [mean_ci(whole[policy, compiled]) for compiled in (False, True)]
+        row = f"| {policy}{' (the default)' if policy == 'recompute' else ''} | " + ' | '.join(
+            f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in cis) + " | " + ' / '.join(
+            f"{sum(steady[policy, c]) / 8:.3f}" for c in (False, True)) + f" | {word} |"
+        assert row in doc, row
+        above = [lo > 0.85 for _, lo, _ in cis]
+        assert all(above) if word == 'holds' else not any(above) and all(hi > 0.85 for *_, hi in cis)
+    assert re.search(r'about 140 calls', doc)

@@ -737,22 +737,48 @@ def test_case_studies_are_compared_on_runs_matched_in_budget_r_width_and_seed_on
     ib, ic, g = isodepth.matched(base, case)
     # the second seed and the extra width of the baseline, and the case's r = 4, have no partner
     assert sorted(zip(ib, ic)) == [(0, 1), (1, 0), (4, 2)]
+    assert isodepth.fewest_seeds(base, range(len(base['r']))) == 1  # two seeds on one cell, one elsewhere
+    assert isodepth.fewest_seeds(base, [1, 2]) == 2  # the (1e9, r 2, d 8) cell alone: seeds 1 and 2
     assert len(set(g)) == 2 and g[list(ib).index(0)] == g[list(ib).index(1)]  # (1e9, 8) vs (4e9, 8)
 
 
 def test_the_grouped_verdicts_are_the_rules_on_the_grouped_cis():
-    res = dict(baseline=dict(phi=0.76, ci=[0.69, 0.79], n_runs=92, n_groups=21, p_phi0=0.005, p_phi1=0.005),
+    res = dict(baseline=dict(phi=0.76, ci=[0.69, 0.79], n_runs=92, n_groups=21, p_phi0=0.005, p_phi1=0.005,
+                             seeds=1),
                truncated=dict(delta_phi=-0.006, ci=[-0.11, 0.08], n_runs=61, n_groups=21, baseline_phi=0.70,
-                              case_phi=0.69),
+                              case_phi=0.69, seeds=4),
                hyper=dict(delta_phi=0.050, ci=[-0.11, 0.17], n_runs=61, n_groups=21, baseline_phi=0.70,
-                          case_phi=0.75))
-    got = {key: word for key, word, _ in isodepth.grouped_verdicts(res)}
+                          case_phi=0.75, seeds=1))
+    got = {key: word for key, word, _, _ in isodepth.grouped_verdicts(res)}
     assert got[isodepth.CLAIMS['baseline']] == 'reproduces'           # inside (0, 1)
     assert got["phi at the paper's size"] == 'direction only'         # above 0, not the paper's 0.459
     assert got[isodepth.CLAIMS['truncated']] == 'inconclusive'        # holds 0 and the paper's -0.073
     assert got[isodepth.CLAIMS['hyper']] == 'does not reproduce'      # holds 0, excludes the paper's +0.193
+    lines = isodepth.grouped_verdict_lines(res)  # each verdict says the seeds its runs hold, a cell at a time
+    assert ' (4 seeds); ' in lines[2] and ' (1 seed); ' in lines[3] and ' (1 seed); ' in lines[0]
     res['baseline']['ci'] = [0.69, 1.05]
-    assert {k: w for k, w, _ in isodepth.grouped_verdicts(res)}[isodepth.CLAIMS['baseline']] == 'inconclusive'
+    words = {k: w for k, w, _, _ in isodepth.grouped_verdicts(res)}
+    assert words[isodepth.CLAIMS['baseline']] == 'inconclusive'
+
+
+def test_grouped_compares_only_the_case_studies_a_sweep_trained(tmp_path):
+    # a --case=baseline,truncated sweep writes hyper's table too, holding the shared r = 1 runs alone:
+    # --grouped compares truncated with the baseline and leaves hyper out, not fitted to r = 1 runs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for case in ('baseline', 'truncated'):
+        shutil.copy(os.path.join(root, 'assets', f'isodepth_{case}.csv'), tmp_path)
+    with open(os.path.join(root, 'assets', 'isodepth_hyper.csv'), newline='', encoding='utf-8') as f:
+        rows = list(csv.DictReader(f))
+    with open(tmp_path / 'isodepth_hyper.csv', 'w', newline='', encoding='utf-8') as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(row for row in rows if row['r'] == '1')
+    res = isodepth.main(['--grouped', f'--report_dir={tmp_path}', '--starts=4', '--resamples=2',
+                         '--boot_starts=0'])
+    md = (tmp_path / 'isodepth_grouped.md').read_text(encoding='utf-8')
+    assert set(res) == {'baseline', 'truncated'} and '| truncated |' in md and '| hyper |' not in md
+    assert res['truncated']['seeds'] == 1 and ' (1 seed); ' in md
+    assert 'truncated backprop lowers phi: ' in md
 
 
 def test_seeds_train_every_cell_at_each_seed_for_the_cases_asked(capsys):
