@@ -488,26 +488,35 @@ def grouped_phi(t, starts, resamples, boot_starts, seed=0):
 GROUP_UNIT = '(budget, width) groups'
 
 
+def phi_inside(phi, lo, hi, n, unit):
+    """(word, why) of 0 < phi < 1 by the one rule: phi above 0 and 1 - phi above 0, the weaker of the two."""
+    ends = [verdict(phi, lo, hi, n=n, unit=unit), verdict(1 - phi, 1 - hi, 1 - lo, n=n, unit=unit)]
+    return weakest([w for w, _ in ends]), f"above 0: {ends[0][1]}; 1 - phi above 0: {ends[1][1]}"
+
+
+def delta_verdict(case, delta, lo, hi, n, unit):
+    """(word, why) of a case study's delta phi by the one rule, against the paper's delta from its subset
+    baseline (truncated: lower, hyper: higher)."""
+    paper = PAPER_PHI[case] - PAPER_SUBSET_PHI
+    return verdict(delta, lo, hi, paper=paper, sign=-1 if case == 'truncated' else +1, n=n, unit=unit)
+
+
 def grouped_verdicts(res):
     """[(key, word, seeds, why)] of the grouped analysis, each from the one rule (lab/verdict.py); seeds:
     the fewest any cell of its runs holds."""
     base, out = res['baseline'], []
     lo, hi = base['ci']
     n = base['n_groups']
-    ends = [verdict(base['phi'], lo, hi, n=n, unit=GROUP_UNIT),                    # phi > 0
-            verdict(1 - base['phi'], 1 - hi, 1 - lo, n=n, unit=GROUP_UNIT)]        # phi < 1
-    out.append((CLAIMS['baseline'], weakest([w for w, _ in ends]), base['seeds'],
-                f"phi {base['phi']:.3f} over {base['n_runs']} runs; above 0: {ends[0][1]}; 1 - phi above 0: "
-                f"{ends[1][1]}; wild bootstrap over the groups: p {base['p_phi0']:.2g} for phi = 0, "
-                f"{base['p_phi1']:.2g} for phi = 1"))
+    word, why = phi_inside(base['phi'], lo, hi, n, GROUP_UNIT)
+    out.append((CLAIMS['baseline'], word, base['seeds'],
+                f"phi {base['phi']:.3f} over {base['n_runs']} runs; {why}; wild bootstrap over the groups: "
+                f"p {base['p_phi0']:.2g} for phi = 0, {base['p_phi1']:.2g} for phi = 1"))
     word, why = verdict(base['phi'], lo, hi, paper=PAPER_PHI['baseline'], n=n, unit=GROUP_UNIT)
     out.append(("phi at the paper's size", word, base['seeds'],
                 f"the paper's phi {PAPER_PHI['baseline']}: {why}"))
-    for case, sign in [(c, s) for c, s in (('truncated', -1), ('hyper', +1)) if c in res]:
+    for case in [c for c in ('truncated', 'hyper') if c in res]:
         d = res[case]
-        paper = PAPER_PHI[case] - PAPER_SUBSET_PHI  # the paper's delta phi, from its subset baseline
-        word, why = verdict(d['delta_phi'], *d['ci'], paper=paper, sign=sign, n=d['n_groups'],
-                            unit=GROUP_UNIT)
+        word, why = delta_verdict(case, d['delta_phi'], *d['ci'], n=d['n_groups'], unit=GROUP_UNIT)
         out.append((CLAIMS[case], word, d['seeds'],
                     f"delta phi on {d['n_runs']} matched runs (same budget, r, width, seed); phi "
                     f"{d['baseline_phi']:.3f} baseline, {d['case_phi']:.3f} {case}: {why}"))
@@ -857,7 +866,7 @@ def sweep_report(jobs, args, sweep_info):
     rows = run_table(jobs)
     rows += recorded_runs(args.report_dir, {row['name'] for row in rows})
     out = dict(preset=args.preset, command=sweep_info.get('command') or args.command, commit=code_version(),
-               sweep=sweep_info, cases={}, noise=noise(rows), runs=rows)
+               fit_command=args.command, sweep=sweep_info, cases={}, noise=noise(rows), runs=rows)
     for case in CASES:
         case_rows = [row for row in rows if case in row['cases']]
         write_csv(os.path.join(args.report_dir, f'isodepth_{case}.csv'), case_rows)
@@ -929,38 +938,33 @@ CLAIMS = {'baseline': 'a loop is worth part of a unique block (0 < phi < 1)',
           'truncated': 'truncated backprop lowers phi', 'hyper': 'hyper-connections raise phi'}
 
 
+CELL_UNIT = '(budget, r) cells'
+
+
 def verdicts(cases):
-    """{case: (claim, verdict, why)} in the project's vocabulary (docs/results.md) from the cases' fits. One
-    seed per (budget, r) cell: the bootstrap CI over cells is the spread these verdicts rest on; the tests
-    of phi = 0 and 1 are stated beside it, not in the rule (they take the runs' errors as independent)."""
+    """{case: (claim, verdict, why)} by the one rule (lab/verdict.py) from the cases' fits, the CIs those of
+    the bootstrap over (budget, r) cells; the tests of phi = 0 and 1 are stated beside it, not in the rule
+    (they take the runs' errors as independent). --grouped's verdicts, over (budget, width) groups and on
+    matched runs, supersede these."""
     base, out = cases.get('baseline', {}), {}
     if base.get('phi') is None:
         why = base.get('error') or 'its 95 % CI is wider than %g' % PHI_CI_WIDTH
         out['baseline'] = (CLAIMS['baseline'], 'not tested', f"phi is not identified: {why}")
     else:
-        lo, hi = base['phi_ci']
-        word = ('reproduces' if 0 < lo and hi < 1 else 'direction only' if 0 < base['phi'] < 1
-                else 'does not reproduce')
+        word, why = phi_inside(base['phi'], *base['phi_ci'], base.get('n_cells'), CELL_UNIT)
         tests = '; '.join(f"against phi = {phi}: objective x{fmt(t['objective_ratio'])}, likelihood ratio "
                           f"{fmt(t['statistic'], '.2f')}, p {fmt(t['p'], '.2g')}"
                           for phi, t in ((0, base['vs_phi0']), (1, base['vs_phi1'])))
-        out['baseline'] = (CLAIMS['baseline'], word,
-                           f"phi {fmt(base['phi'])}, 95 % CI [{fmt(lo)}, {fmt(hi)}]; {tests}; reproduces if "
-                           f"the CI lies inside (0, 1), direction only if the point fit does")
-    for case, sign in (('truncated', -1), ('hyper', +1)):
+        out['baseline'] = (CLAIMS['baseline'], word, f"phi {fmt(base['phi'])}; {why}; {tests}")
+    for case in ('truncated', 'hyper'):
         res = cases.get(case, {})
         if res.get('delta_phi') is None:
             why = (res.get('delta') or {}).get('error') or res.get('error') or 'the case has not run'
             out[case] = (CLAIMS[case], 'not tested', why)
             continue
-        lo, hi = res['delta_phi_ci']
-        word = ('reproduces' if (hi < 0 if sign < 0 else lo > 0) else
-                'direction only' if sign * res['delta_phi'] > 0 else 'does not reproduce')
-        out[case] = (CLAIMS[case], word,
-                     f"delta phi {fmt(res['delta_phi'], '+.3f')}, paired 95 % CI [{fmt(lo, '+.3f')}, "
-                     f"{fmt(hi, '+.3f')}] over the {res['delta']['n_cells']} (budget, r) cells both hold; "
-                     f"reproduces if the CI excludes 0 on the paper's side, direction only if the point "
-                     f"does")
+        n = res['delta']['n_cells']
+        word, why = delta_verdict(case, res['delta_phi'], *res['delta_phi_ci'], n=n, unit=CELL_UNIT)
+        out[case] = (CLAIMS[case], word, f"delta phi, paired over the cells both hold: {why}")
     return out
 
 
@@ -974,11 +978,14 @@ def report_lines(out, jobs):
     cfg = jobs[0]['cfg']
     n, sw = out['noise'], out['sweep']
     fitted = {case: res for case, res in out['cases'].items() if 'error' not in res}
+    # a report of several training calls (one a seed, say) names the call that fitted them all
+    fit_cmd = out.get('fit_command', out['command'])
+    refit = f" by `{fit_cmd}`" if fit_cmd != out['command'] else ""
     lines = ["## The iso-depth law: phi of the paper's looped model and its two case studies", "",
              f"`{out['command']}`: preset {out['preset']}; {cfg['dataset']}, block {cfg['block_size']}, "
              f"batch {cfg['batch_size']}x{cfg['gradient_accumulation_steps']}, {cfg['lr_schedule']} lr "
              f"{cfg['learning_rate']:g}; runs trained at code {sw.get('commit', 'unknown')}, fitted at code "
-             f"{out['commit']}. Wall time of the training call: "
+             f"{out['commit']}{refit}. Wall time of the last training call: "
              f"{fmt(sw.get('wall_seconds', 0) / 60, '.1f')} min.", "",
              "<!-- from isodepth.json: each case fitted with lab/isodepth.py's fit; p of the "
              "likelihood-ratio tests of phi = 0 and phi = 1 -->",

@@ -53,7 +53,7 @@ import pytest
 from verdict import T975, bootstrap_ci, mean_ci, n_to_decide, verdict
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCE = r'(?:assets/[\w.-]+\.md|docs/papers\.md)'
+SOURCE = r'(?:assets/[\w./-]+\.md|docs/papers\.md)'  # a report in assets/ or a folder of it
 FROM = re.compile(rf'^<!-- from ({SOURCE}(?:, {SOURCE})*)((?:; [^;]+)*) -->$')
 NOT_FROM = re.compile(r'^<!-- not from an asset: \S.* -->$')
 NUMBER = re.compile(r'(?<![\d.])([+\-\u2212]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+\-\u2212]?\d+)?(?!\d)')
@@ -740,8 +740,10 @@ def test_a_difference_of_stuck_shares_has_a_ci_that_stays_in_bounds_and_decides_
     assert weakest([]) == 'not tested'
 
 
-def test_iso_depth_verdicts_are_the_rules_on_the_grouped_reports_fits():
-    # assets/isodepth_grouped.json holds the grouped fits: the report's block is the rule's on them
+@pytest.mark.parametrize('name', ['isodepth_grouped', 'runs/isodepth_seeds/isodepth_grouped'])
+def test_iso_depth_verdicts_are_the_rules_on_the_grouped_reports_fits(name):
+    # each grouped report's .json holds its fits (the seeds sweep's: 3 seeds a cell, matched runs): the
+    # report's block is the rule's on them
     import isodepth
-    res = json.loads((REPO / 'assets' / 'isodepth_grouped.json').read_text(encoding='utf-8'))
-    assert isodepth.grouped_verdict_lines(res) == report_block('isodepth_grouped')
+    res = json.loads((REPO / 'assets' / f'{name}.json').read_text(encoding='utf-8'))
+    assert isodepth.grouped_verdict_lines(res) == report_block(name)

@@ -489,12 +489,15 @@ def verdict(lines, claim):
 
 @pytest.mark.parametrize('base,truncated,hyper,words', [
     ((0.46, 0.41, 0.53), (-0.10, -0.15, -0.02), (+0.20, +0.12, +0.27), ('reproduces',) * 3),
-    ((0.46, 0.30, 1.10), (-0.05, -0.12, +0.03), (+0.04, -0.02, +0.09), ('direction only',) * 3),
-    ((1.20, 1.05, 1.30), (+0.10, +0.02, +0.17), (-0.10, -0.18, -0.03), ('does not reproduce',) * 3),
+    ((0.46, 0.41, 0.53), (-0.20, -0.25, -0.15), (+0.05, +0.02, +0.08),
+     ('reproduces', 'direction only', 'direction only')),  # beyond 0, but not the paper's -0.073, +0.193
+    ((0.46, 0.30, 1.10), (-0.05, -0.12, +0.03), (+0.10, -0.02, +0.25), ('inconclusive',) * 3),
+    ((1.20, 1.05, 1.30), (+0.10, +0.02, +0.17), (+0.04, -0.02, +0.09), ('does not reproduce',) * 3),
 ])
-def test_phi_verdicts_ask_the_ci_inside_0_1_and_the_paired_delta_ci_on_the_papers_side_of_0(base, truncated,
-                                                                                           hyper, words):
-    # the case studies' phis themselves are not read: their difference from the baseline is, with its CI
+def test_phi_verdicts_are_the_one_rule_on_phi_inside_0_1_and_the_paired_delta_against_the_papers(
+        base, truncated, hyper, words):
+    # the case studies' phis themselves are not read: their difference from the baseline is, with its CI;
+    # a CI that holds 0 is never 'direction only', and one that holds 0 but not the paper's size rejects it
     fits = dict(baseline=fit_result(*base), truncated=fit_result(0.3, -1, 2, truncated),
                 hyper=fit_result(0.6, -1, 2, hyper))
     lines = isodepth.verdict_lines(fits)
