@@ -226,6 +226,26 @@ def test_serve_bench_times_every_path_against_fixed_r_generate_in_one_table(tiny
     assert float(rows[2][1]) < float(rows[3][1])  # a lower threshold exits earlier
 
 
+def test_serve_bench_pairs_compiled_with_eager_by_round(tiny_data, tiny_ckpt, tmp_path, monkeypatch,
+                                                          capsys):
+    # a round's two timings share the machine's state: the claim "compiled >= eager" is judged on the
+    # ratios of the rounds and their t-interval, not on two medians taken apart
+    import serve_bench
+    from verdict import mean_ci
+    eager, comp = [2.0, 3.0, 2.5], [1.0, 3.0, 2.0]  # ratios 2, 1, 1.25
+    served, compiled = serve_bench.SERVED, serve_bench.SERVED + serve_bench.COMPILED
+    line = serve_bench.paired({served: (eager,), compiled: (comp,)})
+    m, lo, hi = mean_ci([2.0, 1.0, 1.25])
+    assert '2.000 1.000 1.250' in line and f"mean {m:.3f}, 95 % CI [{lo:.3f}, {hi:.3f}] over 3 rounds" in line
+    assert lo < 1 < hi  # three rounds this spread decide nothing
+    monkeypatch.chdir(tiny_data.parent.parent)
+    (tmp_path / 'p.txt').write_text('ROMEO: hi\nJULIET: yes\n', encoding='utf-8')
+    serve_bench.main([str(tiny_ckpt), f"--prompts={tmp_path / 'p.txt'}", '--prompt_chars=4', '--batch_size=2',
+                      '--max_new_tokens=3', '--repeats=1', '--fixed_only'])
+    rows = [line.split('|')[1].strip() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert rows == [serve_bench.FIXED, serve_bench.SERVED]  # --fixed_only: no threshold's path
+
+
 @pytest.mark.parametrize('args,says', [(['--thresholds=2'], 'outside [0, 1]'),
                                        (['--repeats=0'], 'must be >= 1'),
                                        (['--kv_policy=active'], 'kv_policy=active'),
@@ -382,3 +402,26 @@ def test_the_batch_8_bar_is_what_the_eight_committed_calls_say_copy_holds_it_rec
         above = [lo > 0.85 for _, lo, _ in cis]
         assert all(above) if word == 'holds' else not any(above) and all(hi > 0.85 for *_, hi in cis)
     assert re.search(r'about 140 calls', doc)
+
+
+def test_compiled_fixed_r_at_d512_batch_32_is_at_best_even_as_the_paired_rounds_say():
+    # docs/decoding.md's d 512, batch 32 table recomputed from the rounds in assets/serve_b32_paired.txt:
+    # a round is the unit (its paths take turns), the t-interval of the rounds' ratios the evidence
+    import os
+    import re
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, 'lab'))
+    from verdict import mean_ci
+    text = open(os.path.join(root, 'assets', 'serve_b32_paired.txt'), encoding='utf-8').read()
+    doc = open(os.path.join(root, 'docs', 'decoding.md'), encoding='utf-8').read()
+    cis = {}
+    for run in [r for r in text.split('\n=== ') if r[:2] in ('A:', 'B:', 'C:', 'D:')]:
+        found = re.search(r"per round \[(.*?)\]|paired by round: (.*?);", run)
+        ratios = [float(x.strip("' ")) for x in (found.group(1) or found.group(2)).replace(',', ' ').split()]
+        m, lo, hi = cis[run[0]] = mean_ci(ratios)
+        assert f"{m:.3f} [{lo:.3f}, {hi:.3f}]" in doc, run[0]
+    assert set(cis) == set('ABCD') and len(re.findall(r'round', text)) > 4
+    assert cis['A'][2] < 1 and '| 0.953 [0.925, 0.980] | no: slower |' in doc  # A: compiled slower
+    assert all(cis[r][1] < 1 < cis[r][2] for r in 'BCD')                      # the others decide nothing
+    assert cis['C'][2] < 1.03 and 'rules out a gain above 3 %' in doc and '**not met**' in doc
