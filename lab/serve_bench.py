@@ -239,7 +239,7 @@ def main(argv=None):
     sync = torch.cuda.synchronize if device_type == 'cuda' else lambda: None
     clock = Noted.clock = lambda: sync() or base()  # a GPU's queued kernels finish before the clock is read
     B, n = args.batch_size, args.max_new_tokens
-    policies = [] if args.fixed_only else policies
+    policies = [] if args.fixed_only else policies  # (a bad --kv_policy is refused all the same)
     calls = paths(model, prompts, n, B, policies, thresholds, args.exit_policy, args.compile)
     name = torch.cuda.get_device_name(dev) if device_type == 'cuda' else 'cpu'
     print(f"{len(prompts)} prompts, {n} new tokens each, batch {B}, greedy, "

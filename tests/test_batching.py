@@ -404,17 +404,13 @@ def test_the_batch_8_bar_is_what_the_eight_committed_calls_say_copy_holds_it_rec
     assert re.search(r'about 140 calls', doc)
 
 
-def test_compiled_fixed_r_at_d512_batch_32_is_at_best_even_as_the_paired_rounds_say():
+def test_compiled_fixed_r_at_d512_batch_32_is_at_best_even_as_the_paired_rounds_say(repo_dir):
     # docs/decoding.md's d 512, batch 32 table recomputed from the rounds in assets/serve_b32_paired.txt:
     # a round is the unit (its paths take turns), the t-interval of the rounds' ratios the evidence
-    import os
     import re
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, 'lab'))
     from verdict import mean_ci
-    text = open(os.path.join(root, 'assets', 'serve_b32_paired.txt'), encoding='utf-8').read()
-    doc = open(os.path.join(root, 'docs', 'decoding.md'), encoding='utf-8').read()
+    text = (repo_dir / 'assets' / 'serve_b32_paired.txt').read_text(encoding='utf-8')
+    doc = (repo_dir / 'docs' / 'decoding.md').read_text(encoding='utf-8')
     cis = {}
     for run in [r for r in text.split('\n=== ') if r[:2] in ('A:', 'B:', 'C:', 'D:')]:
         found = re.search(r"per round \[(.*?)\]|paired by round: (.*?);", run)
