@@ -11,6 +11,7 @@ nearest known one suggested; a value must have its default's type (an int is fin
 expected); ranges are checked by check() below (training keys) and check_model (model keys). --help (or -h)
 lists every key with its default and comment, read from the files that define them.
 """
+import argparse
 import ast
 import difflib
 import inspect
@@ -22,9 +23,60 @@ import tokenize
 import types
 from dataclasses import fields
 
-from errors import die, first_line
+import torch
+
 from model import DEPTH_EXPONENTS, GPTConfig
 
+
+# -----------------------------------------------------------------------------
+# one-line errors: a bad config value, flag, data file or checkpoint stops with one line on stderr
+# (`error: ...`) and exit code 1, no traceback, never after touching a checkpoint already on disk
+
+def die(msg):
+    """The single way to stop on bad input: one line on stderr, exit code 1, no traceback."""
+    msg = ' '.join(str(msg).split())  # one line, whatever the message held
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def first_line(e):
+    """An exception as one short line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0].split('. ')[0][:200]}" if text else type(e).__name__
+
+
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse for the command-line tools, with a one-line error (and the nearest flag for a typo) instead
+    of argparse's usage block. Flags are written --key=value or --key value; no abbreviations."""
+
+    def __init__(self, prog, description):
+        super().__init__(prog=prog, description=description, allow_abbrev=False,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message):
+        if 'unrecognized arguments' in message:
+            flags = [o[2:] for a in self._actions for o in a.option_strings if o.startswith('--')]
+            bad = message.split(':', 1)[1].split()[0].split('=')[0].lstrip('-')
+            near = difflib.get_close_matches(bad, flags, n=1)  # compared without the dashes they all share
+            message += f"; did you mean --{near[0]}?" if near else ''
+        die(f"{message} (see python {self.prog} --help)")
+
+def pick_device(name):
+    """(device, device_type) for --device, 'auto' resolved, or a one-line error if this machine does not
+    have it: the one place that decides the device (under DDP, ops.init_processes then gives each rank
+    on CUDA its own GPU)."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    try:
+        device_type = torch.device(name).type
+    except RuntimeError:
+        die(f"--device={name}: not a torch device; use auto, cpu, cuda, cuda:N or mps")
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if not available.get(device_type, False):
+        die(f"--device={name}: not available on this machine; use --device=cpu or auto")
+    return name, device_type
 
 # -----------------------------------------------------------------------------
 # the model keys: their defaults and meanings are model.GPTConfig's, their choices and ranges are here

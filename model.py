@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-import kernels
+from compute import kernels
 
 LOOP_SIGMA = 0.5  # sigma of the sampled depth's log-normal (Huginn's 1/2, docs/papers.md §4)
 # depth_scaling by name -> the exponent p of alpha = (2N)^p and beta = (8N)^-p (§2)

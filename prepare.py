@@ -24,7 +24,7 @@ import urllib.request
 
 import numpy as np
 
-from errors import Parser, die, first_line
+from configurator import Parser, die, first_line
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 TEXT_DATASETS = {'shakespeare_char': 'char', 'shakespeare': 'gpt2'}  # tinyshakespeare, two tokenizers

@@ -15,13 +15,12 @@ from contextlib import nullcontext
 
 import torch
 
-import checkpoint
+from run import checkpoint
 import configurator
-from batching import serve
-from engine import Decoding, generate
-from errors import die
-from exits import EXIT_POLICIES, KV_POLICIES
-from hardware import pick_device
+from decoding.batching import serve
+from decoding.engine import Decoding, generate
+from configurator import die, pick_device
+from decoding.exits import EXIT_POLICIES, KV_POLICIES
 from prepare import checkpoint_meta, get_tokenizer
 
 out_dir = 'out'              # the folder holding ckpt.pt (or a checkpoint file)

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint
+from run import checkpoint
 import configurator
-import ops
+from run import ops
 import prepare
 from model import GPT, GPTConfig
 

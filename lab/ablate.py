@@ -63,10 +63,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 import configurator
-from configurator import gpt_config, model_keys
-from errors import Parser, die, duration
-from hardware import auto_dtype
-from accounting import flops_per_token
+from configurator import Parser, die, gpt_config, model_keys
+from run.ops import duration
+from compute.hardware import auto_dtype
+from run.accounting import flops_per_token
 from model import GPT, GPTConfig
 from prepare import HF_DATASETS, TEXT_DATASETS, WORD_VOCAB
 from reports import fmt, read_json, read_metrics, read_status, write_report

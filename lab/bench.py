@@ -72,14 +72,15 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
-from errors import Parser, die, duration
-from hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
-import batching
-from engine import Decoding, KVCache, generate
-from exits import KV_POLICIES, exit_score
-import kernels
-from kernels import LinearCrossEntropy
-from accounting import active_params, flops_per_token
+from configurator import Parser, die
+from run.ops import duration
+from compute.hardware import attention_path, auto_dtype, cpu_bf16_units, flush_denormals, peak_flops
+from decoding import batching
+from decoding.engine import Decoding, KVCache, generate
+from decoding.exits import KV_POLICIES, exit_score
+from compute import kernels
+from compute.kernels import LinearCrossEntropy
+from run.accounting import active_params, flops_per_token
 from model import GPT, GPTConfig
 
 # row 17 on a GPU: config/looped_moe_gpt2s.py's dense shape (the row adds its experts)

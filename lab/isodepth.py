@@ -64,8 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import configurator
 from ablate import (arm, code_version, dry_run, estimate, meta_model, repo_path, run_args, run_sweep,
                     runner_flags, slurm_options, train_defaults)
-from errors import Parser, die
-from accounting import param_counts
+from configurator import Parser, die
+from run.accounting import param_counts
 from reports import finish_plot, fmt, plt_or_none, read_json, read_metrics, read_status, save
 from verdict import verdict, weakest
 

@@ -29,13 +29,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
-import batching
-import checkpoint
-from batching import serve
-from engine import Decoding, generate
-from errors import Parser, die
-from hardware import peak_bandwidth, pick_device
-from exits import EXIT_POLICIES, KV_POLICIES, score_threshold
+from decoding import batching
+from run import checkpoint
+from decoding.batching import serve
+from decoding.engine import Decoding, generate
+from configurator import Parser, die, pick_device
+from compute.hardware import peak_bandwidth
+from decoding.exits import EXIT_POLICIES, KV_POLICIES, score_threshold
 from prepare import checkpoint_meta, get_tokenizer
 from verdict import mean_ci
 

@@ -4,11 +4,11 @@ prompt. Every row decodes what it would decode alone."""
 import pytest
 import torch
 
-import batching
-import exits
-import kernels
-from batching import serve
-from engine import Decoding, generate
+from decoding import batching
+from decoding import exits
+from compute import kernels
+from decoding.batching import serve
+from decoding.engine import Decoding, generate
 from test_engine import V, tiny  # the engine tests' tiny model (V 48, block 16)
 from test_sample import run_main
 

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics
 from test_reliability import assert_clean_error, model_tensors_equal, snapshot, torchrun_unavailable
 
-import checkpoint
-from errors import duration
+from run import checkpoint
+from run.ops import duration
 
 HOOKS = textwrap.dedent('''
     # train.py with a test hook (train.py has no debug switches): at the HOOK_STEP-th optimizer step of rank
@@ -339,7 +339,7 @@ def test_log_lines_carry_tokens_per_second_and_an_eta_to_max_iters(tmp_path):
 
 
 def eta_seconds(it, max_iters, eval_interval, step_time, eval_time):
-    import ops
+    from run import ops
     eta = ops.ETA(0, max_iters, eval_interval)
     eta.step_time, eta.eval_time = step_time, eval_time
     return eta.left(it)

@@ -7,10 +7,10 @@ from collections import Counter
 import pytest
 import torch
 
-import engine
-import exits
-from engine import Decoding, KVCache, decode_step, generate, speculate_round
-from exits import adaptive_forward, adaptive_step
+from decoding import engine
+from decoding import exits
+from decoding.engine import Decoding, KVCache, decode_step, generate, speculate_round
+from decoding.exits import adaptive_forward, adaptive_step
 from model import GPT, GPTConfig
 from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
 
@@ -403,7 +403,7 @@ def test_bad_decoding_flags_are_one_line_errors(tiny_data, tiny_ckpt, monkeypatc
 def test_verification_runs_the_drafted_positions_in_one_pass_with_fixed_R_logits(k, monkeypatch):
     # a round of 4 drafts after a 5-token prompt: loops k+1..R see the 4 positions as one multi-token step
     # at pos 5 (no other step there has T > 1), and their exit-R logits are the full forward's
-    import engine
+    from decoding import engine
     m, x = tiny(n_prelude=1, n_coda=1, pos='rope', injection='add'), prompts(B=2, n=5, seed=3)
     cache = KVCache(m, 2, 4, 'cpu', torch.float32)
     decode_step(m, x, cache, 0, 4)

@@ -7,11 +7,11 @@ import torch
 from torch.nn import functional as F
 
 from configurator import MODEL_CHOICES, check_model
-from engine import Decoding, KVCache, decode_step, generate
-from exits import THRESHOLD_RANGES, adaptive_step
-from hardware import attention_path, auto_dtype, peak_flops
-from kernels import LinearCrossEntropy, attention
-from accounting import estimate_mfu, flops_per_token
+from decoding.engine import Decoding, KVCache, decode_step, generate
+from decoding.exits import THRESHOLD_RANGES, adaptive_step
+from compute.hardware import attention_path, auto_dtype, peak_flops
+from compute.kernels import LinearCrossEntropy, attention
+from run.accounting import estimate_mfu, flops_per_token
 from model import GPT, GPTConfig
 
 V, T = 48, 16
@@ -399,7 +399,7 @@ def test_auto_attention_is_explicit_only_for_short_low_precision_cpu_attention()
 
 
 def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_bf16_units(monkeypatch):
-    import hardware
+    from compute import hardware
     monkeypatch.setattr(hardware, 'cpu_bf16_units', lambda: None)
     assert auto_dtype('cpu') == ('float32', 'no bf16 units on this CPU')
     monkeypatch.setattr(hardware, 'cpu_bf16_units', lambda: 'AVX512-BF16')

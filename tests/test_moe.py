@@ -25,10 +25,10 @@ from test_reliability import (assert_clean_error, model_tensors_equal, run_dir, 
 from test_sample import run_main
 from test_train import REPO, TINY, cli_env, read_metrics, run_train, write_data
 
-import kernels
+from compute import kernels
 from configurator import check_model
-from engine import Decoding, generate
-from accounting import active_params, flops_per_token
+from decoding.engine import Decoding, generate
+from run.accounting import active_params, flops_per_token
 from model import GPT, MLP, GPTConfig, MoE, Route, activation, router_losses
 
 V, T = 48, 16

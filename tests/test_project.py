@@ -8,7 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 
 
 def tracked(*patterns):
@@ -44,7 +44,7 @@ def test_the_recurrence_is_written_once():
     # recurrence is bench's plain yardstick, an independent implementation on purpose
     found = [f for p in python_files(include_tests=False) for f in recurrences(p)]
     assert [f.split(':')[0] for f in found] == ['lab/bench.py', 'model.py'], found
-    for name in ('engine.py', 'diagnostics.py', 'lab/eval_depth.py'):
+    for name in ('decoding/engine.py', 'run/diagnostics.py', 'lab/eval_depth.py'):
         assert 'model.loops(' in (REPO / name).read_text(encoding='utf-8'), name
 
 

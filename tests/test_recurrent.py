@@ -20,12 +20,12 @@ from test_model import V, T, tiny, batch
 from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics
 from test_reliability import assert_clean_error, model_tensors_equal, torchrun_unavailable
 
-import diagnostics
+from run import diagnostics
 import eval_depth
 from configurator import check_model
-from engine import Decoding, generate
-from exits import score_at_exit, score_threshold
-from accounting import flops_per_token
+from decoding.engine import Decoding, generate
+from decoding.exits import score_at_exit, score_threshold
+from run.accounting import flops_per_token
 from model import GPT, GPTConfig, exit_distribution
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'golden_metrics.json')

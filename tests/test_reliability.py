@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import (REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics,
                         train_defaults)
 
-import checkpoint
+from run import checkpoint
 import configurator
 import prepare
 
@@ -473,7 +473,7 @@ DDP_HOOKS = textwrap.dedent('''
     import torch
     sys.path.insert(0, os.environ['REPO'])
     import model as M
-    import checkpoint
+    from run import checkpoint
     rank, dump = os.environ.get('RANK', '0'), os.environ['DUMP']
     rec = {'train': [], 'eval': [], 'saves': 0, 'models': []}
     forward, exit_metrics, init, save, step = (M.GPT.forward, M.GPT.exit_metrics, M.GPT.__init__,

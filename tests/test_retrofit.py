@@ -16,9 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import REPO, TINY, TRAIN, read_metrics, run_train, write_data
 from test_reliability import assert_clean_error
 
-import checkpoint
-import ops
-import retrofit
+from run import checkpoint
+from run import ops
+from run import retrofit
 from configurator import gpt_config
 from model import GPT, GPTConfig
 

@@ -264,11 +264,11 @@ def test_exit_policy_gate_and_kl_sample_end_to_end_with_the_loops_their_scores_p
     assert code == 0 and mean_loops(out) == (3.0, 3), err
     # the text is what the policy decodes: the same greedy tokens as generate with that policy and threshold
     import torch
-    import checkpoint
+    from run import checkpoint
     model = checkpoint.build_model(checkpoint.load(str(tmp_path / 'gate' / 'ckpt.pt'))).eval()
     code, out, err = run_main(base + ['--exit_policy=kl', '--exit_threshold=0.01', '--start=ROMEO:'])
     x = torch.tensor([[meta['itos'].index(c) for c in 'ROMEO:']])
-    import engine
+    from decoding import engine
     y, _, _ = engine.generate(model, x, 12, engine.Decoding(temperature=0, exit_threshold=0.01,
                                                             exit_policy='kl'))
     assert out.count(''.join(meta['itos'][i] for i in y[0].tolist()) + '\n---------------\n') == 2

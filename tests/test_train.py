@@ -270,7 +270,7 @@ def test_default_run_downloads_and_prepares_missing_shakespeare_char(tmp_path, m
 def test_dtype_auto_says_what_it_chose_and_why(tmp_path):
     # auto: bf16 autocast on a CPU with bf16 units, fp32 on one without (hardware.auto_dtype); the startup
     # line names the choice and its reason
-    from hardware import auto_dtype
+    from compute.hardware import auto_dtype
     write_data(tmp_path)
     args = [a for a in TINY if not a.startswith('--dtype')] + ['--max_iters=1', '--eval_interval=1']
     code, out, err = run_train([*args, '--out_dir=out'], tmp_path)
@@ -318,8 +318,8 @@ def test_log_kappa_writes_the_visit_alignment_at_every_eval_and_only_when_asked(
 def test_log_kappa_logs_the_mean_over_matrices_of_kappa_on_one_fixed_training_batch(tmp_path):
     # the kappa of eval k is that of the weights saved at eval k, on the training batch drawn by a generator
     # seeded with seed + 1 (the same batch at every eval); recomputed here from the checkpoint and train.bin
-    import checkpoint
-    import diagnostics as eval_depth
+    from run import checkpoint
+    from run import diagnostics as eval_depth
     write_data(tmp_path)
     code, out, err = run_train([*TINY, '--n_loop=3', '--max_iters=2', '--eval_interval=1', '--log_kappa=True',
                                 '--out_dir=out'], tmp_path)
@@ -358,7 +358,7 @@ def can_flush():
 
 
 def test_flush_denormals_makes_a_product_below_the_smallest_normal_float_exactly_zero(can_flush):
-    from hardware import flush_denormals
+    from compute.hardware import flush_denormals
     assert denormal_product() > 0  # a denormal, by default
     flush_denormals()
     assert denormal_product() == 0.0

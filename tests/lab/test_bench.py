@@ -290,7 +290,7 @@ def test_moe_row_reports_step_memory_decoding_and_the_active_flops():
 def test_moe_loop_column_runs_the_per_expert_loop_and_puts_the_grouped_one_back():
     # the third column swaps kernels.moe (what model.py's MoE layers call) for kernels.moe_loop during the
     # call only: the same loss through either, and the grouped dispatch back afterwards
-    import kernels
+    from compute import kernels
     grouped, calls = kernels.moe, []
 
     def spy(*args):

@@ -52,7 +52,7 @@ import pytest
 
 from verdict import T975, bootstrap_ci, mean_ci, n_to_decide, verdict
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 SOURCE = r'(?:assets/[\w./-]+\.md|docs/papers\.md)'  # a report in assets/ or a folder of it
 FROM = re.compile(rf'^<!-- from ({SOURCE}(?:, {SOURCE})*)((?:; [^;]+)*) -->$')
 NOT_FROM = re.compile(r'^<!-- not from an asset: \S.* -->$')

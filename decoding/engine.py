@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-import exits
+from decoding import exits
 from model import GPT
 
 # -----------------------------------------------------------------------------

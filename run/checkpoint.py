@@ -20,9 +20,8 @@ import random
 import numpy as np
 import torch
 
-import retrofit
-from configurator import gpt_config, resume_config
-from errors import die, first_line
+from run import retrofit
+from configurator import die, first_line, gpt_config, resume_config
 from model import GPT
 
 

@@ -11,7 +11,7 @@ import torch
 
 import decode_eval as de
 from conftest import save_tiny_checkpoint
-from exits import KV_POLICIES
+from decoding.exits import KV_POLICIES
 from model import GPT, GPTConfig
 
 R, BS = 3, 16

@@ -18,12 +18,12 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 lm_eval = pytest.importorskip('lm_eval', reason='pip install lm-eval (requirements-dev.txt)')
 from lm_eval.api.instance import Instance  # noqa: E402
 
-import checkpoint  # noqa: E402
+from run import checkpoint  # noqa: E402
 import harness  # noqa: E402
 from conftest import save_tiny_checkpoint, tiny_text  # noqa: E402
-from engine import Decoding, generate  # noqa: E402
+from decoding.engine import Decoding, generate  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 TASKS = REPO / 'tests' / 'data' / 'harness'
 DOCS = [json.loads(line) for line in (TASKS / 'tiny_shakespeare.jsonl').read_text('utf-8').splitlines()]
 DEPTHS = (1, 2, 3)  # R = 2 trained; 3 extrapolates

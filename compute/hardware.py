@@ -6,16 +6,12 @@ Hardware policy: what this machine can run fast, decided in one place, outside t
     peak_flops(device_name)     a GPU's bf16 datasheet peak, for MFU
     peak_bandwidth(device_name) a GPU's datasheet memory bandwidth, for decoding's bandwidth utilization
     attention_path(...)         the attention kernel attn_impl='auto' stands for
-    pick_device(name)           the torch device a --device flag names, if this machine has it (train.py
-                                through ops.init_processes, sample.py, lab/harness.py)
     flush_denormals()           fp32 values below 2^-126 count as zero on this CPU (much faster)
 
 Every choice here changes speed only, never the model's result (the tests check that every attention path
 computes the same thing).
 """
 import torch
-
-from errors import die
 
 
 # the longest key length at which explicit attention beat the CPU flash kernel in bf16 (measured forward +
@@ -95,18 +91,3 @@ def flush_denormals():
     2.6 s, with the same loss. Call it before the first parallel op, so torch's threads inherit it."""
     torch.set_flush_denormal(True)
 
-
-def pick_device(name):
-    """(device, device_type) for --device, 'auto' resolved, or a one-line error if this machine does not
-    have it: the one place that decides the device (under DDP, ops.init_processes then gives each rank
-    on CUDA its own GPU)."""
-    if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    try:
-        device_type = torch.device(name).type
-    except RuntimeError:
-        die(f"--device={name}: not a torch device; use auto, cpu, cuda, cuda:N or mps")
-    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if not available.get(device_type, False):
-        die(f"--device={name}: not available on this machine; use --device=cpu or auto")
-    return name, device_type

@@ -13,10 +13,8 @@ meta (what its tokens mean) and name. checkpoint.resume calls retrofit() for tra
 """
 import contextlib
 import os
-import sys
 
-from configurator import gpt_config, model_keys
-from errors import die, first_line
+from configurator import die, first_line, gpt_config, model_keys
 from model import GPT
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
@@ -61,28 +59,16 @@ def gpt2_source(name):
                 dataset='openwebtext')  # WebText's open replica
 
 
-THEIRS = {}  # Hugging Face's `kernels` package, once transformers has imported it
-
-
 @contextlib.contextmanager
 def hf_imports(name):
-    """A block that runs transformers. It imports a package named `kernels` (Hugging Face's), which
-    nanoloop's own kernels.py shadows: inside the block `kernels` is theirs, after it ours again."""
-    ours, path = sys.modules.pop('kernels', None), sys.path[:]
-    sys.path[:] = [p for p in path if not os.path.isfile(os.path.join(p, 'kernels.py'))]
-    sys.modules.update(THEIRS)
+    """transformers, or a one-line error saying how to install it."""
     try:
         import transformers
-        yield transformers
     except ImportError as e:
         if 'transformers' not in str(e):
             raise
         die(f"init_from={name!r} reads GPT-2's weights through transformers: pip install transformers")
-    finally:
-        sys.path[:] = path
-        THEIRS.update({'kernels': sys.modules.pop('kernels')} if 'kernels' in sys.modules else {})
-        if ours is not None:
-            sys.modules['kernels'] = ours
+    yield transformers
 
 
 def nanoloop_source(ckpt, path):

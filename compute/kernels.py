@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from hardware import attention_path
+from compute.hardware import attention_path
 
 
 def attention(q, k, v, causal, impl='auto', dropout_p=0.0, keep=None):

@@ -4,6 +4,7 @@ lab/isodepth.py, which is tested on losses drawn from the law with a known phi b
 real runs. Fits here use fewer starts and resamples than the command's defaults, to run in seconds.
 """
 import csv
+import conftest
 import functools
 import json
 import math
@@ -20,7 +21,7 @@ from test_model import V, T, batch, tiny
 from test_reliability import assert_clean_error
 
 import isodepth
-from accounting import flops_per_token, param_counts
+from run.accounting import flops_per_token, param_counts
 from model import GPT, GPTConfig
 
 C = 16
@@ -596,7 +597,7 @@ def committed():
         return json.load(f)
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(conftest.REPO)
 
 
 def test_the_committed_baseline_rejects_phi_1_by_the_likelihood_ratio_its_csv_gives():
@@ -767,7 +768,7 @@ def test_the_grouped_verdicts_are_the_rules_on_the_grouped_cis():
 def test_grouped_compares_only_the_case_studies_a_sweep_trained(tmp_path):
     # a --case=baseline,truncated sweep writes hyper's table too, holding the shared r = 1 runs alone:
     # --grouped compares truncated with the baseline and leaves hyper out, not fitted to r = 1 runs
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(conftest.REPO)
     for case in ('baseline', 'truncated'):
         shutil.copy(os.path.join(root, 'assets', f'isodepth_{case}.csv'), tmp_path)
     with open(os.path.join(root, 'assets', 'isodepth_hyper.csv'), newline='', encoding='utf-8') as f:

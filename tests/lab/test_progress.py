@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import bench
-import diagnostics
+from run import diagnostics
 import eval_depth as ed
-import hardware
+from compute import hardware
 
 QUICK = ['--n_seqs=12', '--batch_size=4', '--timing_repeats=1', '--n_grad_seqs=6']
 TIMED = ('seconds', 'throughput')  # wall times: the only keys that may differ between two runs

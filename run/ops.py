@@ -28,11 +28,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import hardware
-from accounting import estimate_mfu
-from diagnostics import visit_alignment
-from errors import die, duration, first_line
+from run import checkpoint
+from compute import hardware
+from run.accounting import estimate_mfu
+from run.diagnostics import visit_alignment
+import configurator
+from configurator import die, first_line
 
 
 def ddp():
@@ -57,7 +58,7 @@ def init_processes(device, collective_timeout):
     ddp = int(os.environ.get('RANK', -1)) != -1  # is this a torchrun run?
     rank, local_rank, world_size = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                     int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
-    device, device_type = hardware.pick_device(device)  # 'auto' resolved; one that is not here stops
+    device, device_type = configurator.pick_device(device)  # 'auto' resolved; one that is not here stops
     if ddp:
         if device_type == 'cuda':  # one GPU per rank
             device = f'cuda:{local_rank}'
@@ -301,6 +302,15 @@ class BadSteps:
 
 # -----------------------------------------------------------------------------
 # progress and metrics
+def duration(seconds):
+    """Seconds as a short duration for progress lines: 42s, 4m10s, 3h05m."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
 
 class ETA:
     """Seconds to max_iters: the steps left at the running step time (an exponential average that

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import torch
 
-import exits
-from engine import Decoding, KVCache, decode_step, pick, slide
+from decoding import exits
+from decoding.engine import Decoding, KVCache, decode_step, pick, slide
 
 
 # -----------------------------------------------------------------------------

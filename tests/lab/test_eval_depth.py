@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import diagnostics
+from run import diagnostics
 import eval_depth as ed
 from model import GPT, GPTConfig
 
@@ -306,7 +306,7 @@ def test_missing_checkpoint_error_names_the_positional_out_dir_eval_depth_takes(
 def test_calibrated_kl_threshold_is_the_positive_kl_bound_sample_py_takes(capsys):
     # the kl score is -KL; sample.py --exit_policy=kl --exit_threshold=X exits when KL <= X
     # (exits.score_threshold: score -X), so the table and the JSON give X, not the score
-    from exits import score_threshold
+    from decoding.exits import score_threshold
     model = tiny(n_loop=3)
     X, Y = batch(B=16)
     # a loose tolerance, so that an untrained model's early exits are worth calibrating

@@ -10,7 +10,7 @@ Every loop counts: a shared layer run R times costs R times its FLOPs, though it
 """
 import torch
 
-from hardware import peak_flops
+from compute.hardware import peak_flops
 from model import MoE
 
 
