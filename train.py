@@ -15,7 +15,7 @@ laptop CPU, in the setting where paper 1's readout blind spot appears (docs/pape
     torchrun --standalone --nproc_per_node=4 train.py config/paper_44m.py    # DDP on 4 GPUs
 
 Ctrl-C, SIGTERM or SIGUSR1 stops a run after the current step with a checkpoint (exit code 0);
-the same command with --init_from=auto continues it bit for bit. ops.py holds the rest of what
+the same command with --init_from=auto continues it bit for bit. run/ops.py holds the rest of what
 keeps a long run alive: the devices and processes, failed saves, non-finite steps, a dead rank.
 """
 
@@ -170,7 +170,7 @@ checkpoint.refuse_overwrite(ckpt_path, init_from, eval_only)  # a forgotten --in
 # -----------------------------------------------------------------------------
 # model, optimizer, and the state a resumed run continues from
 model = GPT(GPTConfig(**model_args))
-if ckpt is not None:  # this run's own, or a trained model's layers to loop (init_from, retrofit.py)
+if ckpt is not None:  # this run's own, or a trained model's layers to loop (init_from, run/retrofit.py)
     checkpoint.load_weights(model, ckpt.pop('model'), ckpt_path)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)

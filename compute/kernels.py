@@ -24,7 +24,7 @@ def attention(q, k, v, causal, impl='auto', dropout_p=0.0, keep=None):
     and 'explicit'; 'auto' takes the fastest here (hardware.py). causal: query i is position
     Tk - Tq + i and sees keys 0..Tk - Tq + i (the queries are the last Tq of the keys). keep
     (B, 1, 1, Tk) bool, for one query a row (Tq = 1): the keys each row sees (rows that stand at
-    their own positions, batching.py)."""
+    their own positions, decoding/batching.py)."""
     if keep is not None:
         assert q.size(2) == 1, "a key mask per row is for one query a row"
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)

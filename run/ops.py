@@ -4,7 +4,7 @@ laptop or a cluster, so that train.py can stay the training loop. train.py calls
 a line or two.
 
     init_processes DDP from torchrun's environment, this rank's device and CPU threads
-    resolve_dtype  what dtype='auto' trains in here (hardware.py), and why
+    resolve_dtype  what dtype='auto' trains in here (compute/hardware.py), and why
     StopSignals    Ctrl-C, SIGTERM or SIGUSR1: stop after the current step, save, exit 0
     loop_count     this step's loop count, under loop_schedule's curriculum (docs/papers.md §6)
     agree          the step's one all-reduce: the loss, a bad gradient, a stop signal, the loop count
@@ -54,7 +54,7 @@ def init_processes(device, collective_timeout):
     """(ddp, rank, local_rank, world_size, device, device_type) of this process. Under torchrun
     (RANK set) it joins the process group: NCCL on GPUs, gloo on CPUs; a rank that dies or stalls
     makes the others' next collective fail after at most collective_timeout seconds."""
-    hardware.flush_denormals()  # an underflowing softmax would slow CPU matmuls ~20x (hardware.py)
+    hardware.flush_denormals()  # an underflowing softmax would slow CPU matmuls ~20x (compute/hardware.py)
     ddp = int(os.environ.get('RANK', -1)) != -1  # is this a torchrun run?
     rank, local_rank, world_size = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                     int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
@@ -336,7 +336,7 @@ class ETA:
 
 
 def mfu(model, seqs_per_iter, dt, device_type):
-    # a fraction of the chip's bf16 peak (hardware.py); off CUDA there is no peak to hold a step to
+    # a fraction of the chip's bf16 peak (compute/hardware.py); off CUDA there is no peak to hold a step to
     return estimate_mfu(model, seqs_per_iter, dt) if device_type == 'cuda' else None
 
 

@@ -191,33 +191,3 @@ def test_a_relabelled_readme_link_is_caught():
     for error, (old, new) in RELABELLED.items():
         assert readme.count(old) == 1, f"README.md no longer holds {old!r} once: update '{error}'"
         assert link_problems(readme.replace(old, new), REPO), f"{error}: not caught"
-
-
-def imports_of(path, modules):
-    """The modules of `modules` that a file imports, anywhere in it: a deferred import inside a function
-    counts as much as one at the top."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split('.')[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split('.')[0])
-    return found & modules
-
-
-def test_the_top_level_modules_import_each_other_one_way_only():
-    files = {p.stem: p for p in REPO.glob('*.py')}
-    arrows = {name: imports_of(path, set(files)) for name, path in files.items()}
-
-    def circle(start, name, path):
-        # a path of arrows from start that comes back to it, or None
-        for nxt in sorted(arrows[name]):
-            if nxt == start:
-                return path + [nxt]
-            if nxt not in path:
-                found = circle(start, nxt, path + [nxt])
-                if found:
-                    return found
-        return None
-    circles = [' -> '.join(c) for c in (circle(m, m, [m]) for m in sorted(arrows)) if c]
-    assert not circles, circles
