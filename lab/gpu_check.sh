@@ -39,6 +39,9 @@
 # alone, within 5; STEPS=depth is step 6 alone, within 11; STEPS=lab step 7, within LAB_SECONDS (steps
 # 5-7 are not in the default: any would take the script past 9.5 minutes).
 set -uo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the header above, without running anything
+  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 cd "$(dirname "$0")/.."  # the repository root: train.py, config/, data/
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"

@@ -102,3 +102,17 @@ def test_hugging_face_and_lm_eval_import_from_the_repository_root():
     code = "import transformers, lm_eval, datasets; from transformers import GPT2LMHeadModel"
     r = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def commands():
+    # what a user types: the root's scripts, the lab's scripts and its shell check
+    scripts = [p for p in [*REPO.glob('*.py'), *(REPO / 'lab').glob('*.py')]
+               if "__name__ == '__main__'" in p.read_text(encoding='utf-8')]
+    return [[sys.executable, str(p)] for p in sorted(scripts)] + [['bash', str(REPO / 'lab' / 'gpu_check.sh')]]
+
+
+def test_every_command_answers_help_from_another_folder_and_writes_nothing(tmp_path):
+    for cmd in commands():
+        r = subprocess.run(cmd + ['--help'], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip(), (cmd, r.stderr[-1000:])
+        assert not list(tmp_path.iterdir()), (cmd, list(tmp_path.iterdir()))
