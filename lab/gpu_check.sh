@@ -63,7 +63,7 @@ torch.cuda.get_device_name(), 'flash sdp', torch.backends.cuda.flash_sdp_enabled
 #    row 17 (Looped-MoE) is step 4's, row 18 (depth batching) step 6's
 if want bench; then
   ROWS=$($PY -c "import sys; sys.path.insert(0, 'lab'); import bench; \
-print(','.join(name for name, _ in bench.MEASUREMENTS if name not in ('moe', 'depth_batching')))")
+print(','.join(name for name in bench.MEASURED if name not in ('moe', 'depth_batching')))")
   timeout 140 $PY lab/bench.py --device=cuda --only="$ROWS" --out="$OUT/bench_cuda.json" 2>&1 \
     | tee "$OUT/bench_cuda.log"
 fi

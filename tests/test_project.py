@@ -43,7 +43,7 @@ def test_the_recurrence_is_written_once():
     # training, decoding, early exit and every diagnostic reach the loop through GPT.loops; the one other
     # recurrence is bench's plain yardstick, an independent implementation on purpose
     found = [f for p in python_files(include_tests=False) for f in recurrences(p)]
-    assert [f.split(':')[0] for f in found] == ['lab/bench.py', 'model.py'], found
+    assert [f.split(':')[0] for f in found] == ['lab/bench_train.py', 'model.py'], found
     for name in ('decoding/engine.py', 'run/diagnostics.py', 'lab/eval_depth.py'):
         assert 'model.loops(' in (REPO / name).read_text(encoding='utf-8'), name
 

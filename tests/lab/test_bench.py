@@ -3,16 +3,22 @@ bench.py at its tiny size: it runs end to end, writes one JSON with every row of
 (the peak-memory child process, the matmul ceiling) return sane numbers. Speed is bench.py's business, never
 a test's: nothing here asserts a timing or a ratio against its target.
 """
+import dataclasses
 import itertools
 import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import bench
+import bench_decode
+import bench_moe
+import bench_timing
+import bench_train
 
 ROWS = ('untied_vs_looped', 'peak_memory', 'step_time', 'kv_cache', 'adaptive_exit', 'compile', 'mfu',
         'vs_plain', 'bf16', 'mfu_dtype', 'attention', 'profile', 'moe')
@@ -78,7 +84,7 @@ def test_profile_row_splits_one_step_by_op(tiny_run):
     for dtype in bench.DTYPES:
         top = prof[dtype]['top']
         shares = [op['share'] for op in top]
-        assert len(top) == bench.PROFILE_OPS and shares == sorted(shares, reverse=True)
+        assert len(top) == bench_train.PROFILE_OPS and shares == sorted(shares, reverse=True)
         assert all(s > 0 for s in shares) and sum(shares) <= 1 + 1e-9
         assert sum(op['ms'] for op in top) <= prof[dtype]['step_ms'] * (1 + 1e-9)
         assert prof[dtype]['ops_per_step'] >= sum(op['calls'] for op in top)
@@ -90,9 +96,9 @@ def test_plain_model_is_the_default_model_written_plainly():
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=48, block_size=16, n_embd=32, n_head=4))
-    plain = bench.PlainLoopedGPT(gpt)
+    plain = bench_train.PlainLoopedGPT(gpt)
     assert sum(p.numel() for p in plain.parameters()) == gpt.get_num_params(non_embedding=False)
-    X, Y = bench.batch(dict(batch_size=3, block_size=16, vocab_size=48), torch.device('cpu'))
+    X, Y = bench_timing.batch(dict(batch_size=3, block_size=16, vocab_size=48), torch.device('cpu'))
     loss, plain_loss = gpt(X, Y)[1], plain(X, Y)[1]
     assert torch.allclose(loss, plain_loss, atol=1e-5)
     loss.backward()
@@ -121,7 +127,7 @@ def test_peak_memory_child_sees_the_logits(tiny_run):
 
 
 def test_matmul_ceiling_is_plausible():
-    flops = bench.matmul_ceiling(torch.device('cpu'), 128, warmup=1, repeats=3)
+    flops = bench_timing.matmul_ceiling(torch.device('cpu'), 128, warmup=1, repeats=3)
     assert 1e6 < flops < 1e14  # between a MFLOP/s and 100 TFLOP/s on any CPU
 
 
@@ -163,9 +169,9 @@ def test_bench_ratios_are_the_ratios_of_the_reported_times(tiny_run):
 def test_kv_cache_row_is_uncached_time_over_cached_time(monkeypatch):
     # known times in, the row's numbers out: 24 new tokens in 0.5 s cached, 0.25 s adaptive, 6 s uncached
     times = {'cached': 0.5, 'adaptive': 0.25, 'uncached': 6.0}
-    monkeypatch.setattr(bench, 'side_by_side', lambda fns, *a: {name: times[name] for name in fns})
+    monkeypatch.setattr(bench_decode, 'side_by_side', lambda fns, *a: {name: times[name] for name in fns})
     run = bench.Run(size=bench.SIZES['tiny'], device=torch.device('cpu'), warmup=0, repeats=1, compile=False)
-    rows = bench.row_decode(run)
+    rows = bench_decode.row_decode(run)
     kv, a = rows['kv_cache'], rows['adaptive_exit']
     assert kv['ratio'] == pytest.approx(12.0) and kv['met']
     assert (kv['cached_tok_s'], kv['uncached_tok_s']) == (pytest.approx(48.0), pytest.approx(4.0))
@@ -178,7 +184,7 @@ def test_cached_decoding_is_faster_than_uncached_at_a_length_where_it_must_be():
     spec = dict(n_embd=256, n_head=2, n_layer=1, n_loop=1, prompt=8, new_tokens=250, vocab_size=65)
     run = bench.Run(size=dict(bench.SIZES['tiny'], decode=spec), device=torch.device('cpu'), warmup=0,
                     repeats=1, compile=False)
-    kv = bench.row_decode(run)['kv_cache']
+    kv = bench_decode.row_decode(run)['kv_cache']
     assert kv['ratio'] > 2, kv
 
 
@@ -194,15 +200,16 @@ def test_decoding_rows_are_in_the_plan_and_the_table(tiny_run):
     res = tiny_run[0]
     # before rows 17 (moe) and 18 (depth_batching)
     assert [name for name, *_ in bench.plan(tiny())][-6:-2] == list(DECODING_ROWS)
-    assert [name for name, _ in bench.TABLE][12:16] == list(DECODING_ROWS)          # rows 13-16
-    assert set(DECODING_ROWS) <= set(bench.COST)
+    assert [row.name for row in bench.ROWS][12:16] == list(DECODING_ROWS)           # rows 13-16
+    assert all(row.measure.__module__ == 'bench_decode' and len(row.cost) == 2 and min(row.cost) >= 0
+               for row in bench.ROWS[12:16])
     for name in DECODING_ROWS:
         assert 'error' not in res['rows'][name], res['rows'][name]
     for says in ('adaptive / fixed tok/s', 'KV cache MiB at R = 4/8/16', 'past / inside the block',
                  'speculative / fixed-R tok/s'):
         assert says in res['table']
     policies = res['rows']['decode_policies']['cases']
-    assert {c['policy'] for c in policies} == set(bench.KV_POLICIES)
+    assert {c['policy'] for c in policies} == set(bench_decode.KV_POLICIES)
     assert {c['batch_size'] for c in policies} == set(bench.SIZES['tiny']['policies']['batches'])
     R = bench.SIZES['tiny']['speculative']['n_loop']
     assert [c['draft_loops'] for c in res['rows']['speculative']['cases']] == list(range(1, R))
@@ -223,10 +230,10 @@ def fake_side_by_side(fns, *args):
 
 
 def test_decoding_rows_ratios_are_the_ratios_of_their_times(monkeypatch):
-    monkeypatch.setattr(bench, 'side_by_side', fake_side_by_side)
+    monkeypatch.setattr(bench_decode, 'side_by_side', fake_side_by_side)
     run = tiny()
     n = run.size['policies']['new_tokens']
-    row = bench.row_policies(run)['decode_policies']
+    row = bench_decode.row_policies(run)['decode_policies']
     for c in row['cases']:
         assert c['ratio'] == pytest.approx(c['fixed_ms'] / c['adaptive_ms'])
         assert c['ratio'] == pytest.approx((FAKE['fixed'] - 0.1) / (FAKE[c['policy']] - 0.1))
@@ -234,10 +241,10 @@ def test_decoding_rows_ratios_are_the_ratios_of_their_times(monkeypatch):
         assert c['ideal'] == pytest.approx(row['config']['n_loop'] / c['mean_loops'])
         assert c['of_ideal'] == pytest.approx(c['ratio'] / c['ideal'])
         assert c['adaptive_tok_s'] == pytest.approx(c['batch_size'] * 1e3 / c['adaptive_ms'])
-    p = bench.row_past_block(run)['past_block']
+    p = bench_decode.row_past_block(run)['past_block']
     assert p['ratio'] == pytest.approx(p['past_ms'] / p['inside_ms']) == pytest.approx(1.5)
     assert p['inside_ms'] == pytest.approx(10.0) and p['refills'] >= 1
-    s = bench.row_speculative(run)['speculative']
+    s = bench_decode.row_speculative(run)['speculative']
     for c in s['cases']:
         assert c['ratio'] == pytest.approx(c['fixed_ms'] / c['speculative_ms'])
         assert c['ratio'] == pytest.approx(1.0 / (FAKE[f"k{c['draft_loops']}"] - 0.1))
@@ -246,7 +253,7 @@ def test_decoding_rows_ratios_are_the_ratios_of_their_times(monkeypatch):
 
 def test_shared_cache_memory_is_equal_across_R():
     for size in ('tiny', 'cpu'):
-        row = bench.row_cache_memory(tiny(**{'policies': bench.SIZES[size]['policies']}))['cache_memory']
+        row = bench_decode.row_cache_memory(tiny(policies=bench.SIZES[size]['policies']))['cache_memory']
         mib = row['mib']
         assert mib['shared_r4'] == mib['shared_r8'] == mib['shared_r16'] > 0 and row['met']
         for p in ('recompute', 'copy'):  # every loop its own slots: R x the loop slots
@@ -259,7 +266,7 @@ def test_moe_row_reports_step_memory_decoding_and_the_active_flops():
     # row 17 at the tiny size (fp32 and emulated bf16): every field, each ratio the ratio of the times beside
     # it, and FLOPs per token that count k of E experts and the router: an expert is 4C/k wide, so the MoE's
     # FLOPs are the dense model's plus the router's E x C weights at each of the K x R visits
-    row = bench.row_moe(tiny())['moe']
+    row = bench_moe.row_moe(tiny())['moe']
     c = row['config']
     E, C, K, R = row['n_expert'], c['n_embd'], c['n_layer'], c['n_loop']
     assert (E, row['top_k'], row['expert_hidden']) == (8, 2, 4 * C // 2)
@@ -280,11 +287,13 @@ def test_moe_row_reports_step_memory_decoding_and_the_active_flops():
     assert row['decode_ratio'] == pytest.approx(row['decode_tok_s_moe'] / row['decode_tok_s_dense'])
     assert row['decode_tok_s_loop'] > 0 and row['decode_grouped_mm'] in (True, False)
     assert row['met'] in (True, False)
-    cells = bench.cells_moe(row)
+    cells = bench_moe.cells_moe(row)
     assert [cell[0].split(', ')[-2] for cell in cells[:2]] == ['fp32', 'bf16']  # one line per dtype
     assert f"{row['ratio_float32']:.2f}x (loop {row['loop_ratio_float32']:.2f}x)" == cells[0][1]
     assert 'FLOPs/token' in cells[-1]
-    assert ('moe', bench.row_moe) == bench.MEASUREMENTS[-2] and bench.TABLE[16][0] == 'moe'  # row 17
+    row_17 = bench.ROWS[16]
+    assert (row_17.name, row_17.measure, row_17.cells) == ('moe', bench_moe.row_moe, bench_moe.cells_moe)
+    assert [name for name, *_ in bench.plan(tiny())][-2] == 'moe'
 
 
 def test_moe_loop_column_runs_the_per_expert_loop_and_puts_the_grouped_one_back():
@@ -296,11 +305,11 @@ def test_moe_loop_column_runs_the_per_expert_loop_and_puts_the_grouped_one_back(
     def spy(*args):
         calls.append(1)
         return kernels.moe_loop(*args)
-    model = bench.build(torch.device('cpu'), **bench.SIZES['tiny']['default'], **bench.EXPERTS)
-    X, Y = bench.batch(bench.SIZES['tiny']['default'], torch.device('cpu'))
+    model = bench_timing.build(torch.device('cpu'), **bench.SIZES['tiny']['default'], **bench_moe.EXPERTS)
+    X, Y = bench_timing.batch(bench.SIZES['tiny']['default'], torch.device('cpu'))
     with torch.no_grad():
         loss = model(X, Y)[1]
-        loop_loss = bench.with_moe_kernel(lambda: model(X, Y)[1], spy)()
+        loop_loss = bench_moe.with_moe_kernel(lambda: model(X, Y)[1], spy)()
     K, R = model.config.n_layer, model.config.n_loop
     assert len(calls) == K * R and kernels.moe is grouped
     assert torch.allclose(loss, loop_loss, atol=1e-5)
@@ -314,7 +323,7 @@ def test_depth_batching_times_new_tokens_only_and_targets_0_9_of_ideal_at_wide_b
                 prompt=2, vocab_size=64)
     fake = dict(prefill=0.1, fixed=1.1, adaptive_recompute=0.6, adaptive_copy=0.5)
 
-    passes, plain = [], bench.batching.decode_step
+    passes, plain = [], bench_decode.batching.decode_step
 
     def counted(*args):
         passes.append(1)
@@ -335,17 +344,17 @@ def test_depth_batching_times_new_tokens_only_and_targets_0_9_of_ideal_at_wide_b
                     fn()
                 out[n] = fake[kind]
         return out
-    monkeypatch.setattr(bench.batching, 'decode_step', counted)
-    monkeypatch.setattr(bench, 'side_by_side', side_by_side)
-    monkeypatch.setattr(bench, 'CLOCK', itertools.count().__next__)
-    row = bench.row_depth(tiny(depth=spec))['depth_batching']
+    monkeypatch.setattr(bench_decode.batching, 'decode_step', counted)
+    monkeypatch.setattr(bench_decode, 'side_by_side', side_by_side)
+    run = dataclasses.replace(tiny(depth=spec), clock=itertools.count().__next__)
+    row = bench_decode.row_depth(run)['depth_batching']
     R, cases = spec['n_loop'], row['cases']
     assert [(c['n_embd'], c['batch_size'], c['policy']) for c in cases] == \
         [(C, B, p) for C in (32, 512) for B in (1, 8) for p in ('recompute', 'copy')]
     for c in cases:
         P, tokens = c['requests'], c['requests'] * (c['new_tokens'] - 1)
         passes = c['depth_prompt_ms'] * P / 1e3  # serve's prompt passes, one second each on this clock
-        assert P == bench.DEPTH_REQUESTS * c['batch_size'] and 1 <= passes <= P
+        assert P == bench_decode.DEPTH_REQUESTS * c['batch_size'] and 1 <= passes <= P
         assert passes == pytest.approx(round(passes))  # (the rows waiting at once share one pass)
         assert c['fixed_ms'] == pytest.approx((1.1 - 0.1) / tokens * 1e3)
         assert c['adaptive_ms'] == pytest.approx((fake['adaptive_' + c['policy']] - 0.1) / tokens * 1e3)
@@ -362,9 +371,20 @@ def test_depth_batching_times_new_tokens_only_and_targets_0_9_of_ideal_at_wide_b
             assert c['met'] is (c['policy'] == 'copy') and c['target'].startswith('>= 0.9 x')
         else:
             assert c['met'] is None and c['target'] == 'report'
-    assert row['met'] is False and row['requests_per_row'] == bench.DEPTH_REQUESTS
-    cells = bench.cells_depth(row)
+    assert row['met'] is False and row['requests_per_row'] == bench_decode.DEPTH_REQUESTS
+    cells = bench_decode.cells_depth(row)
     assert f"{cases[-1]['depth_ratio']:.2f}x={cases[-1]['depth_of_ideal']:.2f} ideal" in cells[-3][1]
-    assert ('depth_batching', bench.row_depth) == bench.MEASUREMENTS[-1]
-    assert bench.TABLE[-1][0] == 'depth_batching' and len(bench.TABLE) == 18  # row 18
-    assert 'depth_batching' in bench.COST and set(bench.SIZES['cpu']['depth']['widths']) == {128, 512}
+    assert bench.plan(tiny())[-1][:2] == ('depth_batching', bench_decode.row_depth)
+    assert bench.ROWS[-1].name == 'depth_batching' and len(bench.ROWS) == 18  # row 18
+    assert len(bench.ROWS[-1].cost) == 2 and set(bench.SIZES['cpu']['depth']['widths']) == {128, 512}
+
+
+def test_the_process_timer_times_every_row_in_cpu_seconds():
+    # --timer=process: the Run's clock is this process's CPU time, and side_by_side reads that clock and keeps
+    # every sample it takes in the Run (they go into the JSON)
+    assert bench.setup(bench.parse_args(['--device=cpu', '--timer=process'])).clock is time.process_time
+    run = bench.setup(bench.parse_args(['--device=cpu']))
+    assert run.clock is time.perf_counter and run.samples == {}
+    run.clock = itertools.count().__next__  # one second a reading
+    t = bench_timing.side_by_side({'a': lambda: None, 'b': lambda: None}, run, 1, 3)
+    assert t == {'a': 1, 'b': 1} and run.samples == {'a': [1, 1, 1], 'b': [1, 1, 1]}

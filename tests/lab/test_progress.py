@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import bench
+import bench_timing
+import bench_train
 from run import diagnostics
 import eval_depth as ed
 from compute import hardware
@@ -49,9 +51,11 @@ def test_radial_gradient_batch_by_batch_is_the_same_numbers():
 
 @pytest.fixture
 def no_bf16_units(monkeypatch):
-    # a laptop CPU without AVX512-BF16 or AMX: bench.py imports the name, auto_dtype asks hardware's
+    # a laptop CPU without AVX512-BF16 or AMX: bench.py and bench_train.py import the name, auto_dtype asks
+    # hardware's
     monkeypatch.setattr(hardware, 'cpu_bf16_units', lambda: None)
     monkeypatch.setattr(bench, 'cpu_bf16_units', lambda: None)
+    monkeypatch.setattr(bench_train, 'cpu_bf16_units', lambda: None)
 
 
 def planned(argv):
@@ -62,10 +66,10 @@ def planned(argv):
 def test_bench_plans_no_bf16_rows_on_a_cpu_without_bf16_units(no_bf16_units):
     run, rows = planned(['--device=cpu'])
     assert run.dtypes == ('float32',) and 'no bf16 units' in run.bf16_note
-    assert rows == [name for name, _ in bench.MEASUREMENTS]  # every row, bf16's as a skipped one
-    assert bench.row_bf16(run)['bf16']['skipped'] == run.bf16_note
-    assert bench.ceilings(bench.Run(dict(matmul=(64,)), run.device, 0, 1, False, dtypes=run.dtypes)).keys() \
-        == {'float32'}
+    assert rows == [row.name for row in bench.ROWS if row.measure]  # every row, bf16's as a skipped one
+    assert bench_train.row_bf16(run)['bf16']['skipped'] == run.bf16_note
+    one_size = bench.Run(dict(matmul=(64,)), run.device, 0, 1, False, dtypes=run.dtypes)
+    assert bench_timing.ceilings(one_size).keys() == {'float32'}
     # the ETA's weights (seconds on a 2-core laptop): the bf16 rows cost extra, the default stays in 5 min
     cost = lambda run: sum(c for *_, c in bench.plan(run))
     assert cost(run) < cost(dataclasses.replace(run, dtypes=bench.DTYPES)) <= 300
