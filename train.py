@@ -166,7 +166,6 @@ def get_batch(split, generator):
     return x.to(device), y.to(device)
 
 checkpoint.refuse_overwrite(ckpt_path, init_from, eval_only)  # a forgotten --init_from=resume
-
 # -----------------------------------------------------------------------------
 # model, optimizer, and the state a resumed run continues from
 model = GPT(GPTConfig(**model_args))
@@ -303,7 +302,8 @@ try:  # under DDP, a collective that fails because another rank died ends up in 
             if master_process:
                 log_eval(iter_num, losses, lr)
             val_loss = losses['val_ce'][-1]
-            if iter_num > 0 and not eval_only and (val_loss < best_val_loss or always_save_checkpoint):
+            saving = not eval_only and (val_loss < best_val_loss or always_save_checkpoint)
+            if saving and (iter_num > 0 or max_iters == 0):  # max_iters=0: init_from's conversion, saved
                 best_val_loss = min(best_val_loss, val_loss)
                 saver.save(checkpoint_state(), iter_num)  # a failed write is retried next time
             eta.eval_time, t0 = time.time() - t0, time.time()  # the step time leaves the eval out
