@@ -633,8 +633,8 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
         for j, block in enumerate(m.transformer.h):
             _, kk, vv = block.attn.qkv(block.ln_1(x))
             slot = cache.slots['loop'][(k - 1) * K + j]
-            assert torch.allclose(slot.k[:, :, 4:5], kk, atol=1e-5)
-            assert torch.allclose(slot.v[:, :, 4:5], vv, atol=1e-5)
+            assert torch.allclose(slot.key[:, :, 4:5], kk, atol=1e-5)
+            assert torch.allclose(slot.value[:, :, 4:5], vv, atol=1e-5)
 
 
 @pytest.mark.parametrize('kw,n_exits', [(dict(), 3), (dict(supervision='terminal'), 1)])
