@@ -434,8 +434,9 @@ class GPT(nn.Module):
                     x = self.carry(x, e)
                 elif cfg.injection == 'iso':
                     x = self.inject(x, e)
-                x, visit = self.visit(x, rope, cache, k, pos, routes if cfg.tied_routing and k > 1 else None)
-                routes += visit
+                tied = routes if cfg.tied_routing and k > 1 else None  # tied routing (§5): loop 1's experts
+                x, visited = self.visit(x, rope, cache, k, pos, tied)
+                routes += visited
                 if lanes is not None:  # exit k reads the lanes' sum
                     lanes = self.transformer.lanes.write(lanes, self.transformer.ln_loop(x), k)
                     x = lanes.sum(0)
@@ -548,8 +549,7 @@ def init_weights(model):
         for p in model.parameters():
             if p.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
                 nn.init.normal_(p, mean=0.0, std=0.02)
-    if cfg.embd_std > 0:
-        # one init's embedding scale under the other's block matrices: it splits the two (§1)
+    if cfg.embd_std > 0:  # one init's embedding scale under the other's matrices: it splits the two (§1)
         for emb in (t.wte, t.wpe):
             if isinstance(emb, nn.Embedding):
                 nn.init.normal_(emb.weight, mean=0.0, std=cfg.embd_std)
