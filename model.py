@@ -350,7 +350,7 @@ class GPT(nn.Module):
 
     def get_num_params(self, non_embedding=True):
         wpe = self.transformer.wpe.weight.numel() if non_embedding and self.config.pos == 'learned' else 0
-        return sum(p.numel() for p in self.parameters()) - wpe  # shared: the K layers once, a tied head once
+        return sum(w.numel() for w in self.parameters()) - wpe  # shared: the K layers once, a tied head once
 
     # ---- the loop ----
     def positions(self, pos, T):
@@ -530,9 +530,9 @@ class GPT(nn.Module):
 
     # ---- the optimizer, as in nanoGPT ----
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        params = [p for p in self.parameters() if p.requires_grad]  # matrices, embeddings decay; gains don't
-        groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
-                  {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
+        params = [w for w in self.parameters() if w.requires_grad]  # matrices, embeddings decay; gains don't
+        groups = [{'params': [w for w in params if w.dim() >= 2], 'weight_decay': weight_decay},
+                  {'params': [w for w in params if w.dim() < 2], 'weight_decay': 0.0}]
         # the fused kernel (one pass over every tensor), on GPUs and CPUs alike (PyTorch 2.4+)
         extra = dict(fused=True) if device_type in ('cuda', 'cpu') else {}
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
@@ -546,9 +546,9 @@ def init_weights(model):
         nn.init.normal_(t.wte.weight, mean=0.0, std=1.0)
     else:
         # N(0, 0.02) for every matrix at every R: DeepLoop's baseline (§2; GPT-2's 1/sqrt(2N) unused)
-        for p in model.parameters():
-            if p.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
-                nn.init.normal_(p, mean=0.0, std=0.02)
+        for w in model.parameters():
+            if w.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
+                nn.init.normal_(w, mean=0.0, std=0.02)
     if cfg.embd_std > 0:  # one init's embedding scale under the other's matrices: it splits the two (§1)
         for emb in (t.wte, t.wpe):
             if isinstance(emb, nn.Embedding):

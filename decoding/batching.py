@@ -68,7 +68,7 @@ class Requests:
     whose window slid, waiting to pass again, and those passed, ready for a place: (row, token, pos)."""
 
     def __init__(self, prompts, n_rows, max_new_tokens, block_size):
-        self.tokens = [list(p) for p in prompts]
+        self.tokens = [list(prompt) for prompt in prompts]
         self.used, self.queue = [[] for _ in prompts], list(range(len(prompts)))
         self.row, self.start, self.waiting, self.ready = [None] * n_rows, [0] * n_rows, [], []
         self.n, self.bs, self.refills = max_new_tokens, block_size, 0
