@@ -5,15 +5,11 @@ A looped transformer keeps K distinct layers (`n_layer`) and runs that stack R t
 unrolled depth is N = K*R, the parameters those of K layers. Each round ("loop") ends in an exit, where
 the state h_k can be read out into logits: per-loop supervision and early exits.
 
-GPTConfig groups its keys by the paper each implements (docs/papers.md): the readout blind spot (§1),
-DeepLoop (§2), loop-scaled residuals (§3), the recurrent-depth family (§4), Looped-MoE's experts (§5).
-
-Where to look: the loop is GPT.loops, the readout GPT.readout_norm, the loss GPT.loss, the scaling
-rule GPTConfig.alpha and GPTConfig.beta. The speed kernels are in kernels.py; decoding (KV cache,
-early exits, many prompts at once) in engine.py, exits.py and batching.py.
+Where to look: GPTConfig groups its keys by paper (docs/papers.md), the loop is GPT.loops, the readout
+GPT.readout_norm, the loss GPT.loss, the scaling rule GPTConfig.alpha and .beta. The speed kernels are in
+compute/kernels.py; decoding (KV cache, early exits, many prompts at once) in decoding/, which asks the model.
 """
 
-import inspect
 import math
 from collections import namedtuple
 from dataclasses import dataclass
@@ -27,12 +23,14 @@ from compute import kernels
 LOOP_SIGMA = 0.5  # sigma of the sampled depth's log-normal (Huginn's 1/2, docs/papers.md §4)
 # depth_scaling by name -> the exponent p of alpha = (2N)^p and beta = (8N)^-p (§2)
 DEPTH_EXPONENTS = {'none': 0.0, 'deepnorm': 0.25, 'deeploop': 0.5}
+# what loop k reads besides h_{k-1}, e and its slots (each keeps rows at other loops out of one call);
+# carried: from loop 1 in one pass (then no exit, no draft)
+LoopFeature = namedtuple('LoopFeature', 'key carried why')
 
 
 @dataclass
 class GPTConfig:
-    # every field is a config key of train.py too (--n_loop=8); choices and ranges are checked in
-    # configurator.py; the defaults are the embedded default run
+    # every field is also a train.py key (--n_loop=8), checked in configurator.py; defaults: the default run
     # ---- the looped GPT ----
     block_size: int = 64           # context length T
     vocab_size: int = 65           # V; train.py reads it from meta.json unless set
@@ -80,13 +78,22 @@ class GPTConfig:
     disjoint_routing: bool = False  # loop k picks among its own E/R experts only (forced divergence)
 
     @property
+    def loop_features(self):  # those switched on (Decoding.why_not reads them); new ones go here
+        return [LoopFeature(key, carried, why) for key, on, carried, why in (
+            ('hyper_lanes', self.hyper_lanes, True, 'hyper-connection lanes are carried from loop 1 '
+             '(hyper-connections, hyper_lanes)'),
+            ('tied_routing', self.tied_routing, True, "tied routing reads loop 1's experts"),
+            ('injection', self.injection == 'iso', False, "injection='iso' acts before loop 1 too"),
+            ('disjoint_routing', self.disjoint_routing, False, 'disjoint routing gives each loop its own '
+             'experts')) if on]
+
+    @property
     def loop_cap(self):
         return self.max_loop or 4 * self.n_loop  # the most loops a training step may draw
 
     def draw_n_loop(self, generator, mean=None):
-        # the loop count of one training step (mean: a curriculum's now, docs/papers.md §6; else n_loop).
-        # poisson_lognormal (Huginn, §4): tau ~ Normal(log mean - sigma^2/2, sigma), R = Poisson(e^tau)
-        # + 1, capped. From `generator` alone: seeded alike on every rank, every rank draws the same R.
+        # R of a training step (mean: a curriculum's now, docs/papers.md §6; else n_loop). poisson_lognormal
+        # (Huginn, §4): 1 + Poisson(e^tau), tau ~ N(log mean - sigma^2/2, sigma), capped; alike on every rank
         if self.loop_sampling == 'fixed':
             return self.n_loop if mean is None else max(1, round(mean))
         mu = math.log(mean or self.n_loop) - LOOP_SIGMA ** 2 / 2
@@ -101,8 +108,7 @@ class GPTConfig:
 
     @property
     def n_unrolled(self):
-        # N counts every visit of a shared layer as one more block of depth (DeepLoop's reading).
-        # It is fixed at build time: the training R counts, whatever n_loop inference uses.
+        # N: every visit of a shared layer is a block of depth (DeepLoop's reading), at the training R
         return self.n_prelude + self.n_layer * self.n_loop + self.n_coda
 
     @property
@@ -134,27 +140,27 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matrix
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # query, key, value
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout  # on the attention weights; none after c_proj, as paper 1's code
         self.attn_impl, self.n_head = config.attn_impl, config.n_head
 
     def qkv(self, x, rope=None):
         B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-                   for t in self.c_attn(x).split(C, dim=2))
+        q, key, value = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+                         for t in self.c_attn(x).split(C, dim=2))
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k, v
+            q, key = apply_rope(q, *rope), apply_rope(key, *rope)
+        return q, key, value
 
-    def forward(self, x, rope=None, kv=None, pos=0):
+    def forward(self, x, rope=None, slot=None, pos=0):
         B, T, C = x.size()
-        q, k, v = self.qkv(x, rope)
-        # decoding (engine.py): k, v join this visit's slot; queries see 0..pos+T-1 (rows at own pos: a mask)
-        k, v, mask = kv.update(k, v, pos) if kv is not None else (k, v, None)
-        # softmax(q k^T / sqrt(hs) + causal mask) v; the T queries are the last T of the keys
+        q, key, value = self.qkv(x, rope)
+        # decoding: key, value join this visit's slot; queries see 0..pos+T-1 (rows at own pos: a mask)
+        key, value, mask = slot.update(key, value, pos) if slot is not None else (key, value, None)
+        # softmax(q key^T / sqrt(hs) + causal mask) value; the T queries are the last T of the keys
         dropout = self.attn_dropout if self.training else 0.0
-        y = kernels.attention(q, k, v, T > 1, self.attn_impl, dropout, mask)
+        y = kernels.attention(q, key, value, T > 1, self.attn_impl, dropout, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.c_proj(y)
 
@@ -180,18 +186,18 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(activation(self.c_fc(x), self.kind)))
 
 
-Route = namedtuple('Route', 'logits idx')  # one visit's routing: logits (BT, E) in fp32, experts (BT, k)
+Route = namedtuple('Route', 'logits idx')  # one visit's routing: logits (BT, E) in fp32, experts (BT, top_k)
 
 
 class MoE(nn.Module):
-    """Looped-MoE's feed-forward (docs/papers.md §5): E MLPs ("experts") and a router, each token to its top
-    k; dropless token choice: a token's experts never depend on the batch (cached decoding = recompute)."""
+    """Looped-MoE's feed-forward (docs/papers.md §5): E MLPs ("experts") and a router, each token to its
+    top_k; dropless token choice: its experts never depend on the batch (cached decoding = recompute)."""
 
     def __init__(self, config):
         super().__init__()
-        E, C, k = config.n_expert, config.n_embd, config.top_k
-        H = config.expert_hidden or 4 * C // k  # k experts of 4C/k: the dense MLP's active parameters
-        self.kind, self.swiglu, self.top_k = config.mlp, config.mlp == 'swiglu', k
+        E, C, top_k = config.n_expert, config.n_embd, config.top_k
+        H = config.expert_hidden or 4 * C // top_k  # top_k experts of 4C/top_k: the dense MLP's active ones
+        self.kind, self.swiglu, self.top_k = config.mlp, config.mlp == 'swiglu', top_k
         self.groups = config.n_loop if config.disjoint_routing else 0  # disjoint: E/R experts a loop
         self.router = nn.Linear(C, E, bias=False)
         # the experts' matrices stacked (E, in, out), each with nn.Linear's default init
@@ -209,22 +215,22 @@ class MoE(nn.Module):
             group = torch.arange(logits.size(-1), device=x.device) // (logits.size(-1) // self.groups)
             logits = logits.masked_fill(group != (k - 1) % self.groups, float('-inf'))
         probs = logits.softmax(dim=-1)
-        idx = probs.topk(self.top_k, dim=-1).indices if tied is None else tied  # (BT, k)
+        idx = probs.topk(self.top_k, dim=-1).indices if tied is None else tied  # (BT, top_k)
         w = probs.gather(-1, idx)
-        w = w / w.sum(dim=-1, keepdim=True)                # the k weights renormalised
+        w = w / w.sum(dim=-1, keepdim=True)                # the top_k weights renormalised
         # y_t = sum_j w_tj expert_{idx_tj}(x_t), tokens grouped by expert (kernels.py)
         y = kernels.moe(x, idx, w, self.c_fc, self.c_proj, lambda h: activation(h, self.kind))
         return self.dropout(y.view(B, T, C)), Route(logits, idx)
 
 
 def router_losses(routes):
-    # §5: the load-balancing loss E sum_i f_i P_i (f_i: the share of token slots sent to expert i,
-    # P_i: its mean router probability) and the z-loss mean(logsumexp(logits)^2), per layer per
-    # visit, then averaged: pooled over loops, experts used by one loop each would look balanced
+    # §5: the load-balancing loss E sum_i f_i P_i (f_i: the share of token slots sent to expert i, P_i: its
+    # mean router probability) and the z-loss mean(logsumexp(logits)^2), per visit, then averaged (pooled
+    # over loops, experts used by one loop each would look balanced)
     balance, z = [], []
     for logits, idx in routes:
         E = logits.size(-1)
-        f = F.one_hot(idx, E).flatten(0, -2).float().mean(0)  # (E,) over the BT k slots, sums to 1
+        f = F.one_hot(idx, E).flatten(0, -2).float().mean(0)  # (E,) over the BT top_k slots, sums to 1
         balance.append(E * (f * logits.softmax(-1).mean(0)).sum())
         z.append(logits.logsumexp(-1).pow(2).mean())
     return torch.stack(balance).mean(), torch.stack(z).mean()
@@ -249,9 +255,9 @@ class Block(nn.Module):
         self.alpha = config.alpha       # docs/papers.md §2: alpha = (2N)^p on the skip path
         self.eps = config.branch_scale  # docs/papers.md §3: eps = lambda/(R sqrt K) on the branch
 
-    def forward(self, x, rope=None, kv=None, pos=0, tied=None, k=1):
+    def forward(self, x, rope=None, slot=None, pos=0, tied=None, k=1):
         # (x after the block, the experts' Route of this visit or None); k: the loop it runs in
-        x = self.pn_1(self.residual(x, self.attn(self.ln_1(x), rope, kv, pos)))
+        x = self.pn_1(self.residual(x, self.attn(self.ln_1(x), rope, slot, pos)))
         u = self.ln_2(x)
         y, route = self.mlp(u, tied, k) if isinstance(self.mlp, MoE) else (self.mlp(u), None)
         return self.pn_2(self.residual(x, y)), route
@@ -259,6 +265,10 @@ class Block(nn.Module):
     def residual(self, x, fx):
         # alpha * x + eps * f(x); a factor of 1 is left out: exact, and one pass less over the tensor
         return (x if self.alpha == 1 else self.alpha * x) + (fx if self.eps == 1 else self.eps * fx)
+
+    def kv(self, x, rope=None):
+        # the key and value (B, nh, T, hs) this block's attention makes of input x (a skipped visit's)
+        return self.attn.qkv(self.ln_1(x), rope)[1:]
 
 
 class Lanes(nn.ParameterList):
@@ -282,16 +292,14 @@ class Lanes(nn.ParameterList):
 
 
 def exit_distribution(lam):
-    # docs/papers.md §4 (Ouro): p(k) = lambda_k prod_{j<k} (1 - lambda_j) for k < R; the last exit
-    # takes the rest, so p sums to 1. lam (R, ...) -> p (R, ...)
+    # §4 (Ouro): p(k) = lambda_k prod_{j<k} (1 - lambda_j) for k < R, exit R the rest; lam, p (R, ...)
     stay = torch.cumprod(1 - lam, dim=0)                       # prod_{j<=k} (1 - lambda_j)
     before = torch.cat([torch.ones_like(lam[:1]), stay[:-1]])  # prod_{j<k}
     return torch.cat([lam[:-1] * before[:-1], before[-1:]])
 
 
 def gate_loss(ce, lam, exit_entropy, valid):
-    # §4 (Ouro): per token sum_k p(k) CE_k - exit_entropy * H(p), p the exit distribution of the
-    # learned gate's lambdas; ce, lam (R, BT), valid (BT,) the tokens with a target
+    # §4: per token sum_k p(k) CE_k - exit_entropy * H(p), p = exit_distribution(lam); ce, lam (R, BT)
     p = exit_distribution(lam)
     H = -(p * p.clamp(min=1e-12).log()).sum(0)
     per_token = (p * ce).sum(0) - exit_entropy * H
@@ -305,10 +313,8 @@ class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config = config
-        C = config.n_embd
-        # the readout norm (none for a raw readout) and the inter-loop norm (identity unless set,
-        # docs/papers.md §1); inter_loop_norm='readout' feeds the readout norm back (Ouro, §4)
+        self.config, C = config, config.n_embd
+        # the readout norm (none if 'raw') and the inter-loop norm (§1); 'readout' feeds the first back (§4)
         ln_out = nn.Identity() if config.readout == 'raw' else make_norm(
             'layernorm' if config.readout == 'layernorm' else 'rmsnorm', C, config.bias)
         ln_loop = dict(none=nn.Identity(), readout=ln_out).get(config.inter_loop_norm) \
@@ -343,9 +349,8 @@ class GPT(nn.Module):
         init_weights(self)
 
     def get_num_params(self, non_embedding=True):
-        # parameters() yields a shared tensor once: the K layers once for all loops, a tied head once
         wpe = self.transformer.wpe.weight.numel() if non_embedding and self.config.pos == 'learned' else 0
-        return sum(p.numel() for p in self.parameters()) - wpe
+        return sum(w.numel() for w in self.parameters()) - wpe  # shared: the K layers once, a tied head once
 
     # ---- the loop ----
     def positions(self, pos, T):
@@ -381,9 +386,12 @@ class GPT(nn.Module):
         # e, what loop 1 reads and the injection re-feeds: the embedded tokens x after the prelude
         return self.untied('prelude', x, cache, pos)
 
+    def begin(self, idx, cache=None, pos=0):
+        # e of the tokens idx (B, T) at positions pos..: embedded, then through the prelude
+        return self.prelude(self.embed(idx, pos), cache, pos)
+
     def inject(self, x, e):
-        # the prelude output e re-enters (§4): added, or through the adapter W [x; e] (Huginn) or
-        # W [e; s] (iso-depth, §3, which acts before loop 1 too, on s_0 = e)
+        # e re-enters (§4): added, or through the adapter W [x; e] (Huginn) | W [e; s] (§3: on s_0 = e too)
         if self.config.injection == 'add':
             return x + e
         if self.config.injection in ('concat', 'iso'):  # (B, T, 2C) -> (B, T, C)
@@ -395,33 +403,29 @@ class GPT(nn.Module):
         # what loop k+1 reads of h_k: the inter-loop norm (§1), then the injection (§4)
         return self.inject(self.transformer.ln_loop(h), e)
 
-    @staticmethod
-    def loop_features(c):
-        # {key: why} of what loop k reads besides h_{k-1}, e and its slots, each keeping rows at other loops
-        # out of one round; 'pass': carried from loop 1 in one pass (no exit, no draft). New ones go here
-        return {key: why for key, on, why in (('hyper_lanes', c.hyper_lanes, 'pass: hyper-connection lanes '
-                                               'are carried from loop 1 (hyper-connections, hyper_lanes)'),
-            ('tied_routing', c.tied_routing, "pass: tied routing reads loop 1's experts"),
-            ('injection', c.injection == 'iso', "row: injection='iso' acts before loop 1 too"),
-            ('disjoint_routing', c.disjoint_routing, 'row: disjoint routing gives each loop its own experts'))
-            if on}
+    def visit(self, x, rope, cache, k, pos, tied=None):
+        # the K shared blocks once at loop k (or each row's, (B,)): (h, Routes); tied: loop 1's Routes (§5)
+        routes = []
+        for j, block in enumerate(self.transformer.h):  # the same K blocks every loop: weights are shared
+            slot = None if cache is None else cache.slot('loop', j, k)
+            x, route = block(x, rope, slot, pos, None if tied is None else tied[j].idx, k)
+            routes += [route] if route else []
+        return x, routes
 
-    def round(self, h, e, k, cache, pos):
-        # one loop, one call per block, for rows each at its own loop k (B,), position pos (B,) and slots
-        x = torch.where((k == 1)[:, None, None], e, self.carry(h, e).to(e.dtype))  # loop 1 reads e
-        for j, block in enumerate(self.transformer.h):
-            x, _ = block(x, self.rope(pos, 1), cache.slot('loop', j, k), pos)
-        return x  # h_k (B, 1, C)
+    def advance(self, h, e, k, cache, pos):
+        # every row one loop on (depth batching), each at its own loop k (B,) and pos (B,): h_k (B, 1, C)
+        x = torch.where((k == 1)[:, None, None], e, self.carry(h, e).to(e.dtype))
+        return self.visit(x, self.rope(pos, 1), cache, k, pos)[0]
 
-    def loops(self, x, e, ks, cache=None, pos=0):
-        """h_k = blocks(carry(h_{k-1}, e)), h_0 = e, for k in ks (in order; range(1, R + 1): a pass) from x
-        (B, T, C), e or h_{k-1}: Loops([h_k], routes), h_k before any norm, where ||h_k|| is measured
+    def loops(self, x, e, loops, cache=None, pos=0):
+        """h_k = blocks(carry(h_{k-1}, e)), h_0 = e, for k in loops (in order; range(1, R + 1): a pass) from
+        x (B, T, C), e or h_{k-1}: Loops([h_k], routes), h_k before any norm, where ||h_k|| is measured
         (docs/papers.md §1); routes the experts' choice at every visit of a shared layer (§5; [] dense)."""
         cfg, rope, states, routes = self.config, self.rope(pos, x.size(1)), [], []
-        last, b, grad = ks[-1], cfg.backprop_loops, torch.is_grad_enabled()
+        last, b, grad = loops[-1], cfg.backprop_loops, torch.is_grad_enabled()
         lanes = e.expand(cfg.hyper_lanes, *e.shape) if cfg.hyper_lanes else None  # §3, L lanes
-        assert not (cfg.hyper_lanes or cfg.tied_routing) or ks[0] == 1, "these loops run from loop 1"
-        for k in ks:
+        assert not (cfg.hyper_lanes or cfg.tied_routing) or loops[0] == 1, "these loops run from loop 1"
+        for k in loops:
             # truncated backprop (§4): only the last b loops build a graph (b = 0: all of them)
             with torch.set_grad_enabled(grad and (b == 0 or k > last - b)):
                 if lanes is not None:
@@ -430,12 +434,9 @@ class GPT(nn.Module):
                     x = self.carry(x, e)
                 elif cfg.injection == 'iso':
                     x = self.inject(x, e)
-                for j, block in enumerate(self.transformer.h):  # the same K blocks every round
-                    # tied routing (§5): loops 2..R take loop 1's experts, token by token
-                    tied = routes[j].idx if cfg.tied_routing and k > 1 else None
-                    slot = None if cache is None else cache.slot('loop', j, k)
-                    x, route = block(x, rope, slot, pos, tied, k)
-                    routes += [route] if route else []
+                tied = routes if cfg.tied_routing and k > 1 else None  # tied routing (§5): loop 1's experts
+                x, visited = self.visit(x, rope, cache, k, pos, tied)
+                routes += visited
                 if lanes is not None:  # exit k reads the lanes' sum
                     lanes = self.transformer.lanes.write(lanes, self.transformer.ln_loop(x), k)
                     x = lanes.sum(0)
@@ -446,17 +447,19 @@ class GPT(nn.Module):
         # the Loops of tokens idx (B, T) through the whole pass; n_loop overrides the trained R
         R = self.config.n_loop if n_loop is None else n_loop
         assert isinstance(R, int) and R >= 1, f"n_loop must be an integer >= 1, got {R!r}"
-        e = self.prelude(self.embed(idx))
+        e = self.begin(idx)
         return self.loops(e, e, range(1, R + 1))
 
     # ---- the readout ----
     def readout_norm(self, h, k, R=None):
         # docs/papers.md §1: an RMSNorm/LayerNorm readout is scale-invariant (dL/dh is orthogonal to h):
-        # 'raw' shows the scale; 'final_only' too at exits 1..R-1, R this pass's loops (default n_loop)
-        cfg, R = self.config, self.config.n_loop if R is None else R
-        if cfg.readout == 'raw' or (cfg.readout == 'final_only' and k < R):
-            return h
-        return self.transformer.ln_out(h)
+        # 'raw' shows the scale; 'final_only' too at exits k < R (R: this pass's loops, default n_loop)
+        R, norm = self.config.n_loop if R is None else R, self.transformer.ln_out  # (an identity if 'raw')
+        if self.config.readout != 'final_only':
+            return norm(h)
+        if torch.is_tensor(k):  # rows at other exits (B,): depth batching
+            return torch.where((k >= R).view(-1, *[1] * (h.dim() - 1)), norm(h), h)
+        return norm(h) if k >= R else h
 
     def coda_readout(self, h, k, cache=None, pos=0, R=None):
         # z_k, what the LM head and the exit gate read at exit k: the coda, then the readout norm. Under
@@ -467,6 +470,12 @@ class GPT(nn.Module):
     def readout(self, h, k, cache=None, pos=0):
         # the logits of exit k (1-based) from its state h_k: (..., C) -> (..., V); decoders pass the cache
         return self.lm_head(self.coda_readout(h, k, cache, pos))
+
+    def exit(self, h, k, cache=None, pos=0, last=None):
+        # a decoder's exit k: (z_k (B, C), logits (B, V)) of h's last position, or each row's in last (B,)
+        z = self.coda_readout(h, k, cache, pos)
+        z = z[:, -1] if last is None else z[torch.arange(z.size(0), device=z.device), last]
+        return z, self.lm_head(z).float()
 
     def gate(self, z):
         # §4 (Ouro): lambda_k = sigmoid(w . z_k + b), P(stop at exit k | not before); z (..., C) -> (...)
@@ -480,8 +489,7 @@ class GPT(nn.Module):
     def exit_inputs(self, states):
         # z_k of the supervised exits, each read under this pass's R (a sampled depth's)
         R = len(states)
-        exits = [k for k, w in enumerate(self.exit_weights(R), start=1) if w > 0]
-        return [self.coda_readout(states[k - 1], k, R=R) for k in exits]
+        return [self.coda_readout(states[k - 1], k, R=R) for k, w in enumerate(self.exit_weights(R), 1) if w]
 
     def loss(self, out, targets, zs=None):
         # the exit CEs (weighted, or the gate's expectation), norm penalty, router losses; zs: exit inputs
@@ -522,14 +530,11 @@ class GPT(nn.Module):
 
     # ---- the optimizer, as in nanoGPT ----
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]    # matrices and embeddings decay; gains don't
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{'params': decay, 'weight_decay': weight_decay},
-                  {'params': no_decay, 'weight_decay': 0.0}]
+        params = [w for w in self.parameters() if w.requires_grad]  # matrices, embeddings decay; gains don't
+        groups = [{'params': [w for w in params if w.dim() >= 2], 'weight_decay': weight_decay},
+                  {'params': [w for w in params if w.dim() < 2], 'weight_decay': 0.0}]
         # the fused kernel (one pass over every tensor), on GPUs and CPUs alike (PyTorch 2.4+)
-        fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters
-        extra = dict(fused=True) if fused and device_type in ('cuda', 'cpu') else {}
+        extra = dict(fused=True) if device_type in ('cuda', 'cpu') else {}
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 
 
@@ -540,19 +545,15 @@ def init_weights(model):
         # paper 1's code: PyTorch's defaults (Kaiming-uniform Linear, N(0, 1) wte: ||h_0|| ~ sqrt(C), §1)
         nn.init.normal_(t.wte.weight, mean=0.0, std=1.0)
     else:
-        # N(0, 0.02) for every matrix, no residual scaling: DeepLoop's baseline (docs/papers.md §2), the
-        # same at every R; depth scaling only multiplies by beta below (GPT-2's 1/sqrt(2N) is not used)
-        for p in model.parameters():
-            if p.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
-                nn.init.normal_(p, mean=0.0, std=0.02)
-    if cfg.embd_std > 0:
-        # one init's embedding scale under the other's block matrices: it splits the two (§1)
+        # N(0, 0.02) for every matrix at every R: DeepLoop's baseline (§2; GPT-2's 1/sqrt(2N) unused)
+        for w in model.parameters():
+            if w.dim() >= 2:  # matrices, and the experts' stacked matrices (§5)
+                nn.init.normal_(w, mean=0.0, std=0.02)
+    if cfg.embd_std > 0:  # one init's embedding scale under the other's matrices: it splits the two (§1)
         for emb in (t.wte, t.wpe):
             if isinstance(emb, nn.Embedding):
                 nn.init.normal_(emb.weight, mean=0.0, std=cfg.embd_std)
-    # docs/papers.md §2: beta is an init-only gain on W_v, the attention output projection and
-    # every MLP matrix (not on W_q, W_k or the embeddings)
-    if cfg.beta != 1.0:
+    if cfg.beta != 1.0:  # docs/papers.md §2: an init-only gain on W_v, attn.c_proj, the MLP; not W_q, W_k
         for block in (*t.prelude, *t.h, *t.coda):
             block.attn.c_attn.weight[2 * C:] *= cfg.beta   # the W_v rows of the q|k|v matrix
             # the MLP's matrices: a Linear's weight, or every expert's stacked (§5; not the router)
@@ -560,6 +561,5 @@ def init_weights(model):
             for w in (block.attn.c_proj.weight, *ffn):
                 w *= cfg.beta
     if cfg.injection in ('concat', 'iso') and cfg.adapter_init == 'identity':
-        # docs/papers.md §3 (iso-depth): W = [I 0], so at first W [x; e] = x passes the state through
-        # and the paper's W [e; s] = e reads the prelude output
+        # §3 (iso-depth): W = [I 0]: at first W [x; e] = x passes the state on, W [e; s] = e reads e
         t.adapter.weight.copy_(torch.cat([torch.eye(C), torch.zeros(C, C)], dim=1))

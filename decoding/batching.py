@@ -6,11 +6,11 @@ request: when it has its tokens, the next prompt takes its place (scheduling: Re
 
     outs, used, stats = serve(model, prompts, 200, Decoding(batch_size=8, exit_threshold=0.9, temperature=0))
 
-Each row attends to the slots of its own (loop, layer) visit at its own position (RowSlot). An exit at loop
-k leaves in the slots of loops k+1..R what kv_policy says (exits.fill_skipped, as at batch 1), written
-with the next call's exits (a skipped slot is first read two calls on). Prompt passes and slid windows run
-all R loops (engine.decode_step), B rows at a time: the cache holds up to 2B rows, passed ones waiting for
-a place.
+Each row attends to the slots of its own (loop, layer) visit at its own position (KVCache.view, given
+each row's loop). An exit at loop k leaves in the slots of loops k+1..R what kv_policy says
+(exits.fill_skipped, as at batch 1), written with the next call's exits (a skipped slot is first read two
+calls on). Prompt passes and slid windows run all R loops (engine.decode_step), B rows at a time: the cache
+holds up to 2B rows, passed ones waiting for a place.
 """
 import functools
 from dataclasses import replace
@@ -22,57 +22,7 @@ from decoding.engine import Decoding, KVCache, decode_step, pick, slide
 
 
 # -----------------------------------------------------------------------------
-# the cache, seen by rows at their own loops and positions
-
-class RowSlot:
-    """One part's keys and values, k and v (visits x rows, nh, T, hs), seen by rows each at its own visit:
-    idx (B',) the entry each reads and writes (index_select on one dimension gathers fastest)."""
-
-    def __init__(self, k, v, idx):
-        self.k, self.v, self.idx = k, v, idx
-
-    def write(self, k, v, pos):
-        # k, v (B', nh, 1, hs): each row's new token at its own position pos (B',)
-        self.k[self.idx, :, pos] = k[:, :, 0].to(self.k.dtype)  # (AMP computes in bf16)
-        self.v[self.idx, :, pos] = v[:, :, 0].to(self.v.dtype)
-
-    def update(self, k, v, pos):
-        # write, then each row's keys and values 0..max(pos) and the mask of the positions it has
-        self.write(k, v, pos)
-        n = self.k.size(2)  # every position, masked: no host read of pos (a compiled step has no sync)
-        keys, values = (t[:, :, :n].index_select(0, self.idx) for t in (self.k, self.v))  # (B', nh, n, hs)
-        mask = torch.arange(n, device=pos.device) <= pos[:, None]                     # (B', n)
-        return keys, values, mask[:, None, None, :]
-
-
-class RowView:
-    """The cache seen by cache rows `rows` (B',): what GPT.loops and GPT.untied ask for. With loops
-    (B',) each row's loop slots are its own loop's, whatever loop the caller names: GPT.loops then runs
-    one loop for rows that stand at different loops."""
-
-    def __init__(self, cache, rows, loops=None):
-        self.cache, self.rows, self.loops = cache, rows, loops
-        self.entry = None if loops is None else cache.entry(loops, rows)  # once a view, not once a layer
-
-    def slot(self, part, j, k=1):
-        c = self.cache
-        if part != 'loop':
-            s = c.slots[part][j]
-            return RowSlot(s.k, s.v, self.rows)
-        entry = self.entry if self.entry is not None else c.entry(k, self.rows)
-        return RowSlot(c.loop_k, c.loop_v, entry + j * c.B)
-
-# -----------------------------------------------------------------------------
 # one call: every place one loop (step), a function of tensors
-
-def readout(model, h, ks, view, pos):
-    """z_k and the logits (B', V) of rows at exits ks (B',): the coda, then the readout norm, which depends
-    on the exit only under 'final_only' (normed at exit n_loop and past it: GPT.readout_norm)."""
-    z = model.coda_readout(h, 1, view, pos)[:, -1]  # exit 1's: raw under 'final_only', unless n_loop = 1
-    if model.config.readout == 'final_only' and model.config.n_loop > 1:
-        z = torch.where((ks >= model.config.n_loop)[:, None], model.transformer.ln_out(z), z)
-    return z, model.lm_head(z).float()
-
 
 def score(model, policy, z, logits, prev, first):
     """exits.score_at_exit for rows each at its own exit: rows at exit 1 (first) start afresh, the
@@ -86,17 +36,17 @@ def score(model, policy, z, logits, prev, first):
 
 
 def step(model, cache, f, R, threshold, policy):
-    """Every place of flight f one loop (GPT.round), each at its own loop, position and slots, then its
-    readout and exit score: (h_k, loops run, score state, logits (B, V), done (B,): the rows that exit)."""
-    first, ks = f.ks == 0, f.ks + 1  # first: the tokens that start (Flight.place embedded them)
-    view = RowView(cache, f.rows, ks)
-    h = model.round(f.h, f.e, ks, view, f.pos).to(f.e.dtype)  # one block call per layer for every place
-    z, logits = readout(model, h, ks, view, f.pos)
-    done, prev = ks == R, f.prev
+    """Every place of flight f one loop (GPT.advance), each at its own loop, position and slots, then its
+    exit and exit score: (h_k, loops run, score state, logits (B, V), done (B,): the rows that exit)."""
+    first, loops = f.loops == 0, f.loops + 1  # first: the tokens that start (Flight.place began them)
+    view = cache.view(f.rows, loops)
+    h = model.advance(f.h, f.e, loops, view, f.pos).to(f.e.dtype)  # one block call per layer for all
+    z, logits = model.exit(h, loops, view, f.pos)  # each row's exit: the readout norm follows its loop
+    done, prev = loops == R, f.prev
     if threshold is not None:
         s, prev = score(model, policy, z, logits, prev, first)
         done = done | (s >= threshold)
-    return h, ks, prev, logits, done
+    return h, loops, prev, logits, done
 
 
 @functools.cache
@@ -106,7 +56,7 @@ def compiled(device_type):
     if device_type != 'cuda':
         return torch.compile(step, fullgraph=True)
     graphs = torch.compile(step, fullgraph=True, mode='reduce-overhead')
-    # a replay writes its outputs where the last one did, and serve keeps h, ks and prev for the next call
+    # a replay writes its outputs where the last one did, and serve keeps h, loops and prev for the next call
     return lambda *args: tuple(t if t is None else t.clone() for t in graphs(*args))
 
 # -----------------------------------------------------------------------------
@@ -117,10 +67,10 @@ class Requests:
     serves and its window start (a window slides to its last half past the block size); the cache rows
     whose window slid, waiting to pass again, and those passed, ready for a place: (row, token, pos)."""
 
-    def __init__(self, prompts, N, max_new_tokens, block_size):
-        self.tokens = [list(p) for p in prompts]
+    def __init__(self, prompts, n_rows, max_new_tokens, block_size):
+        self.tokens = [list(prompt) for prompt in prompts]
         self.used, self.queue = [[] for _ in prompts], list(range(len(prompts)))
-        self.row, self.start, self.waiting, self.ready = [None] * N, [0] * N, [], []
+        self.row, self.start, self.waiting, self.ready = [None] * n_rows, [0] * n_rows, [], []
         self.n, self.bs, self.refills = max_new_tokens, block_size, 0
 
     def add(self, c, token, loops):
@@ -158,48 +108,48 @@ def prompt_pass(model, cache, req, opts, B, R):
     right-padded to the longest: padding sits past each row's own tokens, where no query of that row
     looks before its own token overwrites it. Each samples from its last token; those that go on are
     ready for a place."""
-    passing, device = req.admit(B), cache.loop_k.device
+    passing, device = req.admit(B), cache.loop_key.device
     windows = [req.window(c) for c in passing]
     n = max(map(len, windows))
     idx = torch.tensor([w + w[-1:] * (n - len(w)) for w in windows], device=device)
     last = torch.tensor([len(w) - 1 for w in windows], device=device)
-    logits = decode_step(model, idx, cache.select(torch.tensor(passing, device=device)), 0, R, last)
+    logits = decode_step(model, idx, cache.view(torch.tensor(passing, device=device)), 0, R, last)
     for c, t in zip(passing, pick(logits, opts.temperature, opts.top_k)[:, 0].tolist()):
-        if (q := req.add(c, t, R)) is not None:
-            req.ready.append((c, t, q))
+        if (pos := req.add(c, t, R)) is not None:
+            req.ready.append((c, t, pos))
 
 
 class Flight:
     """The B places in flight, one record of tensors indexed by place (a full batch runs a call without a
     gather): each place's cache row, the loop its token last ran (0: a new token), its position, its
-    state h and prelude output e (B, 1, C), the exit score's state; at: the cache rows, on the host."""
+    state h and prelude output e (B, 1, C), the exit score's state; held: the cache rows, on the host."""
 
     def __init__(self, model, B):
         w = model.lm_head.weight
-        self.at, self.prev = [None] * B, None
-        self.rows, self.ks, self.pos = (torch.zeros(B, dtype=torch.long, device=w.device) for _ in 'rkp')
-        self.h, self.e = (w.new_zeros(B, 1, model.config.n_embd) for _ in 'he')
+        self.held, self.prev = [None] * B, None
+        self.rows, self.loops, self.pos = (torch.zeros(B, dtype=torch.long, device=w.device) for _ in 'rlp')
+        self.h, self.e = (w.new_zeros(B, 1, model.config.n_embd) for _ in range(2))
 
     def place(self, model, cache, free, ready):
-        # the rows ready (row, token, position) take the free places in order, their tokens embedded at once
+        # the rows ready (row, token, position) take the free places in order, their tokens begun at once
         # to start at loop 1 next call; places left free leave the batch. Returns the rows left waiting
-        if starts := [(p, *r) for p, r in zip(free, ready)]:
-            p, c, t, q = (torch.tensor(v, device=self.ks.device) for v in zip(*starts))
-            self.rows[p], self.pos[p], self.ks[p] = c, q, 0
-            self.e[p] = model.prelude(model.embed(t[:, None], q), RowView(cache, c), q).to(self.e.dtype)
-            for p, c, _, _ in starts:
-                self.at[p] = c
+        if starts := [(place, *r) for place, r in zip(free, ready)]:
+            place, c, token, pos = (torch.tensor(v, device=self.loops.device) for v in zip(*starts))
+            self.rows[place], self.pos[place], self.loops[place] = c, pos, 0
+            self.e[place] = model.begin(token[:, None], cache.view(c), pos).to(self.e.dtype)
+            for place, c, _, _ in starts:
+                self.held[place] = c
         if len(starts) < len(free):
             self.drop(free[len(starts):])
         return ready[len(starts):]
 
     def drop(self, empty):  # (only at the end: then nothing is left to pass)
-        keep = torch.tensor([p for p in range(len(self.at)) if p not in empty], dtype=torch.long,
-                            device=self.ks.device)
-        self.rows, self.ks, self.pos = self.rows[keep], self.ks[keep], self.pos[keep]
+        keep = [place for place in range(len(self.held)) if place not in empty]
+        keep = torch.tensor(keep, dtype=torch.long, device=self.loops.device)
+        self.rows, self.loops, self.pos = self.rows[keep], self.loops[keep], self.pos[keep]
         self.h, self.e = self.h[keep], self.e[keep]
         self.prev = None if self.prev is None else self.prev[keep]
-        self.at = [c for p, c in enumerate(self.at) if p not in empty]
+        self.held = [c for place, c in enumerate(self.held) if place not in empty]
 
 
 def fill_pending(model, cache, pending, R):
@@ -224,26 +174,26 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
                     model.lm_head.weight.dtype, o.kv_policy, o.kv_slots)
     req = Requests(prompts, cache.B, max_new_tokens, model.config.block_size)
     f, free, pending, calls, ran, passes = Flight(model, B), list(range(B)), [], 0, 0, 0
-    run = compiled(cache.loop_k.device.type) if o.compile else step
-    while max_new_tokens and (free or f.at):
+    run = compiled(cache.loop_key.device.type) if o.compile else step
+    while max_new_tokens and (free or f.held):
         while len(req.ready) < len(free) and (req.waiting or req.queue):  # passed rows for the free places
             pending = fill_pending(model, cache, pending, R)  # before a pass writes over a done row's
             prompt_pass(model, cache, req, o, B, R)
             passes += 1
         req.ready = f.place(model, cache, free, req.ready)
-        if not f.at:
+        if not f.held:
             break
-        f.h, f.ks, f.prev, logits, done = run(model, cache, f, R, threshold, o.exit_policy)
-        calls, ran = calls + 1, ran + len(f.at)
+        f.h, f.loops, f.prev, logits, done = run(model, cache, f, R, threshold, o.exit_policy)
+        calls, ran = calls + 1, ran + len(f.held)
         out = done.nonzero().squeeze(1)
-        early, stale = out[f.ks[out] < R], bool(pending)  # a skipped slot is first read two calls on
-        pending.append((f.rows[early], f.h[early], f.e[early], f.ks[early], f.pos[early]))
+        early, stale = out[f.loops[out] < R], bool(pending)  # a skipped slot is first read two calls on
+        pending.append((f.rows[early], f.h[early], f.e[early], f.loops[early], f.pos[early]))
         pending = fill_pending(model, cache, pending, R) if stale else pending
         free, back = out.tolist(), []  # the places that exited; their rows that go on take them first
         new = pick(logits[out], o.temperature, o.top_k)[:, 0].tolist()
-        for p, t, k in zip(free, new, f.ks[out].tolist()):
-            if (q := req.add(f.at[p], t, k)) is not None:
-                back.append((f.at[p], t, q))
+        for place, t, k in zip(free, new, f.loops[out].tolist()):
+            if (pos := req.add(f.held[place], t, k)) is not None:
+                back.append((f.held[place], t, pos))
         req.ready[:0] = back
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes,
                                       full=ran / max(1, B * calls))

@@ -1,7 +1,8 @@
 """
 Decoding a looped GPT, in gpt-fast's order: the options, sampling, the KV cache, one fixed-depth decode
 step, self-speculative decoding, then generate (docs/decoding.md). Early exits are in exits.py. The model
-knows nothing of this file: it asks the cache for a visit's slot (cache.slot) and hands it k, v (update).
+knows nothing of this file: it asks the cache for a visit's slot (cache.slot) and hands it the visit's key
+and value (slot.update); this file asks the model for the steps of decoding (model.begin, model.exit).
 
     cache = KVCache(model, B, R, device, dtype)
     logits = decode_step(model, idx, cache, pos, R)            # all rows, all R loops
@@ -17,7 +18,6 @@ import torch
 from torch.nn import functional as F
 
 from decoding import exits
-from model import GPT
 
 # -----------------------------------------------------------------------------
 # the options
@@ -41,36 +41,37 @@ class Decoding:
     def why_not(self, cfg, loose=False):
         """Why these options cannot decode a model of config cfg, in sample.py's flags, or None. loose (a
         library call): only what would decode wrong, not the options that would do nothing."""
-        R, adaptive, k, n, gamma = self.n_loop or cfg.n_loop, self.exit_threshold is not None, \
+        R, adaptive, draft, n, gamma = self.n_loop or cfg.n_loop, self.exit_threshold is not None, \
             self.draft_loops, self.kv_slots, self.speculate
         shared, kv, rows = self.kv_policy == 'shared', self.kv_policy, self.batch_size > 1 or self.compile
-        features = GPT.loop_features(cfg)  # what loop k reads besides h_{k-1}, e and its slots
-        carried = next((why[6:] for why in features.values() if why.startswith('pass: ')), None)
+        features = cfg.loop_features  # what loop k reads besides h_{k-1}, e and its slots (model.LoopFeature)
+        carried = next((f.why for f in features if f.carried), None)
         rules = [
             (not adaptive or self.exit_policy != 'gate' or cfg.exit_gate == 'learned', "--exit_policy=gate "
              "reads the learned exit gate, and this model has none: use maxprob, margin, entropy or kl"),
             (loose or not n or shared, f"--kv_slots={n} sets the slots of --kv_policy=shared: add it"),
             (not shared or n, f"--kv_policy=shared needs --kv_slots=N, the slots per layer (1..{R})"),
             (loose or not n or n <= R, f"--kv_slots={n}: a token runs only {R} loops, so at most {R} slots"),
-            (loose or kv not in ('copy', 'active') or adaptive or k,
+            (loose or kv not in ('copy', 'active') or adaptive or draft,
              f"--kv_policy={kv} decides what exited tokens leave in the cache: add --exit_threshold"),
-            (loose or k or gamma is None, f"--speculate={gamma} is the draft length: add --draft_loops"),
-            (k < R, f"--draft_loops={k}: drafts must use fewer loops than the {R} each token runs "
-                    f"(1..{R - 1})"),
-            (loose or not (k and adaptive), "--draft_loops gives fixed-depth tokens: drop --exit_threshold"),
-            (loose or not (k and shared), "--draft_loops verifies with every loop's own slots: drop "
+            (loose or draft or gamma is None, f"--speculate={gamma} is the draft length: add --draft_loops"),
+            (draft < R, f"--draft_loops={draft}: drafts must use fewer loops than the {R} each token runs "
+                        f"(1..{R - 1})"),
+            (loose or not (draft and adaptive), "--draft_loops gives fixed-depth tokens: drop "
+             "--exit_threshold"),
+            (loose or not (draft and shared), "--draft_loops verifies with every loop's own slots: drop "
              "--kv_policy=shared"),
             (not (cfg.tied_routing and adaptive), "--exit_threshold drops exited rows between loops, and "
              "this model's tied_routing=True needs loop 1's experts for every row: drop --exit_threshold"),
-            (not (cfg.tied_routing and k), "--draft_loops verifies loops k+1.. in another pass, and this "
-             "model's tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops"),
-            (not (carried and (adaptive or k)), f"--exit_threshold and --draft_loops run loop k apart from "
-             f"loops 1..k-1, and this model's {carried} within one pass: drop them"),
-            (not (rows and k), "--draft_loops verifies a batch of rows in step: drop it or use "
+            (not (cfg.tied_routing and draft), "--draft_loops verifies loops k+1.. in another pass, and "
+             "this model's tied_routing=True needs loop 1's experts from the same pass: drop --draft_loops"),
+            (not (carried and (adaptive or draft)), f"--exit_threshold and --draft_loops run loop k apart "
+             f"from loops 1..k-1, and this model's {carried} within one pass: drop them"),
+            (not (rows and draft), "--draft_loops verifies a batch of rows in step: drop it or use "
              "--batch_size=1, no --compile"),
             (not (rows and features), "--batch_size > 1 and --compile run rows at different loops in one "
-             f"call, and this model's {next(iter(features.values()), ': ').split(': ', 1)[1]}: use "
-             "--batch_size=1, no --compile"),
+             f"call, and this model's {features[0].why if features else ''}: use --batch_size=1, no "
+             "--compile"),
             (not (rows and kv == 'active'), "--kv_policy=active masks visits per history, one row at a time: "
              "use --batch_size=1, no --compile, or another kv_policy"),
             (self.use_cache or not rows, "use_cache=False recomputes each window: batch_size=1, no compile")]
@@ -109,43 +110,45 @@ def pick(logits, temperature, top_k):
 # the cache
 
 class Slot:
-    """The keys and values of one visit, (B, nh, block_size, hs) each, seen through the batch rows `rows`
-    (a slice, or a LongTensor of cache rows: the rows the model runs on now). Under kv_policy 'active' also
-    which positions reached this visit, reach (B, block_size): attention sees only those."""
+    """The keys and values of one visit, key and value (n, nh, block_size, hs), seen through `rows` (a slice,
+    or a LongTensor: the entries the model runs on now, cache rows or, in the tensor of every loop's slots,
+    each row's own visit). Under kv_policy 'active' also which positions reached this visit, reach
+    (B, block_size): attention sees only those."""
 
-    def __init__(self, k, v, reach=None, rows=slice(None)):
-        self.k, self.v, self.reach, self.rows = k, v, reach, rows
+    def __init__(self, key, value, reach=None, rows=slice(None)):
+        self.key, self.value, self.reach, self.rows = key, value, reach, rows
 
-    def through(self, rows):
-        # the same tensors through other rows: a write through the view lands in this slot
-        return Slot(self.k, self.v, self.reach, rows)
+    def write(self, key, value, pos):
+        # key, value (B', nh, T, hs) at positions pos..pos+T-1, or (T = 1) at each row's own pos (B',), in
+        # the cache's dtype (AMP computes in bf16)
+        if torch.is_tensor(pos):
+            key, value, at = key[:, :, 0], value[:, :, 0], pos
+        else:
+            at = slice(pos, pos + key.size(2))
+        self.key[self.rows, :, at] = key.to(self.key.dtype)
+        self.value[self.rows, :, at] = value.to(self.value.dtype)
 
-    def write(self, k, v, pos):
-        # k, v (B', nh, T, hs) at positions pos..pos+T-1, in the cache's dtype (AMP computes in bf16)
-        T, r = k.size(2), self.rows
-        self.k[r, :, pos:pos + T], self.v[r, :, pos:pos + T] = k.to(self.k.dtype), v.to(self.v.dtype)
-
-    def update(self, k, v, pos):
-        # write k, v and return the history 0..pos+T-1 (and no key mask: every row has it all)
-        T, r = k.size(2), self.rows
-        self.write(k, v, pos)
-        if self.reach is None:
-            return self.k[r, :, :pos + T], self.v[r, :, :pos + T], None
+    def update(self, key, value, pos):
+        # write key, value, then return the history the queries see: (keys, values, key mask or None)
+        T, r = key.size(2), self.rows
+        self.write(key, value, pos)
+        if torch.is_tensor(pos):  # rows at their own positions: every position, masked past each row's own
+            n = self.key.size(2)  # (no host read of pos: a compiled step has no sync)
+            keys, values = (t.index_select(0, r) for t in (self.key, self.value))  # (B', nh, n, hs)
+            mask = torch.arange(n, device=pos.device) <= pos[:, None]              # (B', n)
+            return keys, values, mask[:, None, None, :]
+        if self.reach is None:  # every row has the whole history 0..pos+T-1
+            return self.key[r, :, :pos + T], self.value[r, :, :pos + T], None
         # 'active': hand attention only the positions that reached this visit. That is a key mask
         # without one in the model, but it must be the same for every row in the step: exits.py
         # runs rows whose earlier tokens exited at other loops one at a time
         self.reach[r, pos:pos + T] = True
         seen = self.reach[r, :pos + T]
         if bool(seen.all()):
-            return self.k[r, :, :pos + T], self.v[r, :, :pos + T], None
+            return self.key[r, :, :pos + T], self.value[r, :, :pos + T], None
         assert bool((seen == seen[:1]).all()), "'active' rows with other histories go one at a time"
         cols = seen[0].nonzero().squeeze(1)
-        return self.k[r][:, :, cols], self.v[r][:, :, cols], None
-
-    def copy_from(self, other, pos):
-        # another visit's keys and values at position pos, for these rows: a skipped visit (exits.py)
-        r = self.rows
-        self.k[r, :, pos], self.v[r, :, pos] = other.k[r, :, pos], other.v[r, :, pos]
+        return self.key[r][:, :, cols], self.value[r][:, :, cols], None
 
     def hide(self, pos):
         # 'active': these rows' token at pos never reached this visit, so attention will not see it
@@ -164,32 +167,52 @@ class KVCache:
         shape = (B, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         zeros = lambda *size, dtype=dtype: torch.zeros(size, device=device, dtype=dtype)
         untied = lambda n: [Slot(zeros(*shape), zeros(*shape)) for _ in range(n)]
-        # the loop's slots are views of one tensor for keys, one for values, (n K B, nh, T, hs): rows at other
+        # the loop's slots are views of one tensor of keys, one of values, (n K B, nh, T, hs): rows at other
         # loops gather from it in one index, and a compiled step writes it in place (batching.py)
-        self.loop_k, self.loop_v = (zeros(n * cfg.n_layer * B, *shape[1:]) for _ in 'kv')
+        self.loop_key, self.loop_value = (zeros(n * cfg.n_layer * B, *shape[1:]) for _ in range(2))
         reach = lambda: zeros(B, cfg.block_size, dtype=torch.bool) if policy == 'active' else None
         visit = lambda t, s, j: t.view(n, cfg.n_layer, *shape)[s, j]  # (B, nh, T, hs)
-        loop = [Slot(visit(self.loop_k, s, j), visit(self.loop_v, s, j), reach())
+        loop = [Slot(visit(self.loop_key, s, j), visit(self.loop_value, s, j), reach())
                 for s in range(n) for j in range(cfg.n_layer)]
         self.slots = dict(prelude=untied(cfg.n_prelude), loop=loop, coda=untied(cfg.n_coda))
-        self.K, self.n, self.B, self.policy, self.rows = cfg.n_layer, n, B, policy, None
+        self.K, self.n, self.B, self.policy = cfg.n_layer, n, B, policy
+        self.rows, self.entries = None, None  # a view's (see view)
 
-    def slot(self, part, j, k=1):
-        s = self.slots[part][j] if part != 'loop' else self.slots['loop'][(k - 1) % self.n * self.K + j]
-        return s if self.rows is None else s.through(self.rows)
-
-    def entry(self, k, rows):
-        # where cache rows `rows` keep loop k's keys of layer 0 in loop_k (layer j: j B further on)
-        return (k - 1) % self.n * self.K * self.B + rows
-
-    def select(self, rows):
-        # the cache seen through batch rows `rows` (None = all): for a model run on those rows only
+    def view(self, rows=None, loops=None):
+        # the cache seen through cache rows `rows` (B',) (None: all), for the model run on those rows only;
+        # loops (B',): each row's own loop, whose slots its loop visits then use (depth batching)
         view = copy.copy(self)
-        view.rows = rows
+        view.rows, view.entries = rows, None if loops is None else self.entry(loops, rows)  # once a view
         return view
 
+    def slot(self, part, j, k=1):
+        # the slot of part's layer j (at loop k), seen through this view's rows
+        if part == 'loop' and self.entries is not None:  # each row's own loop's, in the one tensor of all
+            return Slot(self.loop_key, self.loop_value, None, self.entries + j * self.B)
+        s = self.slots[part][(k - 1) % self.n * self.K + j if part == 'loop' else j]
+        return s if self.rows is None else Slot(s.key, s.value, s.reach, self.rows)
+
+    def entry(self, k, rows):
+        # where cache rows `rows` keep loop k's keys of layer 0 in loop_key (layer j: j B further on)
+        return (k - 1) % self.n * self.K * self.B + rows
+
+    def fill(self, rows, pos, exit_k, R, key=None, value=None):
+        """Cache rows `rows` (P,) whose tokens at positions pos (P,) exit at loops exit_k (P,) < R: write in
+        the slots of the loops they skip key and value (P, K, nh, hs), or (None) those of their exit loop,
+        in one write for every row, loop and layer (a row may come twice, at two positions). The loops a
+        row ran keep their slots, written back as they are: no host read of which. 'shared': loops 1..k
+        filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it."""
+        loops = torch.arange(1, min(R, self.n) + 1, device=rows.device)
+        layers = torch.arange(self.K, device=rows.device)
+        entry = lambda k: self.entry(k, rows[:, None])[..., None] + layers * self.B  # (P, L, K) in loop_key
+        to, at, skip = entry(loops), pos[:, None, None], (loops > exit_k[:, None])[..., None, None, None]
+        for t, new in ((self.loop_key, key), (self.loop_value, value)):
+            new = t[entry(exit_k[:, None]), :, at] if new is None else new[:, None].to(t.dtype)  # (P, 1, K..)
+            t[to, :, at] = torch.where(skip, new, t[to, :, at])                               # (P, L, K..)
+
     def nbytes(self):
-        tensors = [t for s in sum(self.slots.values(), []) for t in (s.k, s.v, s.reach) if t is not None]
+        slots = sum(self.slots.values(), [])
+        tensors = [t for s in slots for t in (s.key, s.value, s.reach) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 # -----------------------------------------------------------------------------
@@ -199,11 +222,9 @@ class KVCache:
 def decode_step(model, idx, cache, pos, R, last=None):
     """Tokens idx (B, T) at pos..pos+T-1 through every loop, writing their slots: the logits (B, V) at exit R
     of the last position, or of each row's in last (B,) (rows padded past their tokens: batching.py)."""
-    e = model.prelude(model.embed(idx, pos), cache, pos)
+    e = model.begin(idx, cache, pos)
     h = model.loops(e, e, range(1, R + 1), cache, pos).states[-1]
-    z = model.coda_readout(h, R, cache, pos)  # the coda sees every position: it writes their slots
-    z = z[:, -1] if last is None else z[torch.arange(z.size(0), device=z.device), last]
-    return model.lm_head(z).float()
+    return model.exit(h, R, cache, pos, last)[1]  # the coda sees every position: it writes their slots
 
 # -----------------------------------------------------------------------------
 # self-speculative decoding: the first k loops draft, the rest verify; no second model
@@ -211,10 +232,9 @@ def decode_step(model, idx, cache, pos, R, last=None):
 def draft(model, idx, cache, pos, k):
     """Loops 1..k of the tokens idx (B, 1) at pos, writing their slots: exit k's logits (B, V) and the
     state (h_k, e) (B, 1, C) each that verify goes on from."""
-    e = model.prelude(model.embed(idx, pos), cache, pos)
+    e = model.begin(idx, cache, pos)
     h = model.loops(e, e, range(1, k + 1), cache, pos).states[-1]
-    z = model.coda_readout(h, k, cache, pos)[:, -1]  # (its coda slot is rewritten by verify)
-    return model.lm_head(z).float(), (h, e)
+    return model.exit(h, k, cache, pos)[1], (h, e)  # (its coda slot is rewritten by verify)
 
 
 def verify(model, state, cache, pos, k, R):
@@ -232,24 +252,23 @@ def speculate_round(model, idx, cache, pos, R, k, gamma, temperature, top_k):
     first position some row rejects, and the counts; slots past them are rewritten before any read."""
     tok, drafts, states = idx[:, -1:], [], []
     for i in range(gamma):
-        q_logits, state = draft(model, tok, cache, pos + i, k)
-        tok = pick(q_logits, temperature, top_k)
-        drafts.append((q_logits, tok))
+        draft_logits, state = draft(model, tok, cache, pos + i, k)
+        tok = pick(draft_logits, temperature, top_k)
+        drafts.append((draft_logits, tok))
         states.append(state)
     h, e = (torch.cat(s, dim=1) for s in zip(*states))   # (B, gamma, C) each
-    p_all = verify(model, (h, e), cache, pos, k, R)       # (B, gamma, V)
+    verified = verify(model, (h, e), cache, pos, k, R)    # (B, gamma, V)
     out, counts = [], Counter(drafted=gamma * idx.size(0))
-    for i, (q_logits, tok) in enumerate(drafts):
-        p_logits = p_all[:, i]
+    for i, (draft_logits, tok) in enumerate(drafts):
         if temperature == 0:
-            fix = p_logits.argmax(dim=-1, keepdim=True)
+            fix = verified[:, i].argmax(dim=-1, keepdim=True)
             ok = fix == tok
         else:
-            p, q = probs(p_logits, temperature, top_k), probs(q_logits, temperature, top_k)
-            px, qx = p.gather(1, tok), q.gather(1, tok)
-            ok = torch.rand_like(px) * qx < px            # u < p(x) / q(x), u ~ U[0, 1)
-            rest = (p - q).clamp(min=0)
-            rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # (rows that accept anyway)
+            p_R, p_k = probs(verified[:, i], temperature, top_k), probs(draft_logits, temperature, top_k)
+            px_R, px_k = p_R.gather(1, tok), p_k.gather(1, tok)
+            ok = torch.rand_like(px_R) * px_k < px_R       # u < p_R(x) / p_k(x), u ~ U[0, 1)
+            rest = (p_R - p_k).clamp(min=0)
+            rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p_R)  # (rows that accept anyway)
             fix = torch.multinomial(rest, num_samples=1)
         counts.update(checked=ok.numel(), accepted=int(ok.sum()))
         out.append(torch.where(ok, tok, fix))

@@ -1,7 +1,8 @@
 """
 Early exits in decoding: a token stops at the first loop whose exit score reaches a threshold, and what it
-leaves in the cache slots of the loops it skips (docs/decoding.md). engine.generate calls this file only
-when an exit threshold is set; fixed-depth decoding never does.
+leaves in the cache slots of the loops it skips (docs/decoding.md). engine.generate (adaptive_step) and
+batching.serve (score_at_exit, fill_skipped) call this file only when an exit threshold is set;
+fixed-depth decoding never does.
 
     logits, used = adaptive_step(model, idx, cache, pos, R, score_threshold('maxprob', 0.9), 'maxprob')
 
@@ -75,26 +76,16 @@ def score_at_exit(model, policy, z, logits, prev=None):
     return exit_score(logits, policy), None
 
 
-def fill_skipped(model, cache, rows, h, e, ks, pos, R):
-    """Cache rows `rows` (P,) whose tokens at positions pos (P,) exit at loops ks (P,) < R, with states h
-    (P, 1, C) and prelude outputs e, fill the slots of the loops they skip as cache.policy says, in one write
-    for every row, loop and layer: batch 1 and depth batching alike (a row may come twice, at two
-    positions). The loops a row ran keep their slots, written back as they are: no host read of which."""
-    # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
-    last = min(R, cache.n) if cache.policy == 'shared' else R
-    loops, layers = torch.arange(1, last + 1, device=ks.device), torch.arange(cache.K, device=ks.device)
-    entry = lambda k: cache.entry(k, rows[:, None])[..., None] + layers * cache.B  # (P, L, K) in loop_k
-    to, p, skip = entry(loops), pos[:, None, None], (loops > ks[:, None])[..., None, None, None]
+def fill_skipped(model, cache, rows, h, e, exit_k, pos, R):
+    """Cache rows `rows` (P,) whose tokens at positions pos (P,) exit at loops exit_k (P,) < R, with states h
+    (P, 1, C) and prelude outputs e: fill the slots of the loops they skip as cache.policy says, in one
+    write for every row, loop and layer (KVCache.fill): batch 1 and depth batching alike."""
+    key = value = None  # copy, shared: the keys and values each row wrote at its exit loop
     if cache.policy == 'recompute':
         x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read, the same in each
-        kv = [block.attn.qkv(block.ln_1(x), rope)[1:] for block in model.transformer.h]
-        for t, new in ((cache.loop_k, [k for k, _ in kv]), (cache.loop_v, [v for _, v in kv])):
-            new = torch.stack(new, 1)[:, None, :, :, 0].to(t.dtype)  # (P, 1, K, nh, hs)
-            t[to, :, p] = torch.where(skip, new, t[to, :, p])     # (P, L, K, nh, hs)
-    else:
-        frm = entry(ks[:, None])  # (P, 1, K): the slots of the loop each row exited at
-        for t in (cache.loop_k, cache.loop_v):
-            t[to, :, p] = torch.where(skip, t[frm, :, p], t[to, :, p])
+        kv = [block.kv(x, rope) for block in model.transformer.h]       # each layer's (P, nh, 1, hs) twice
+        key, value = (torch.stack(t, 1)[:, :, :, 0] for t in zip(*kv))  # (P, K, nh, hs)
+    cache.fill(rows, pos, exit_k, R, key, value)
 
 
 @torch.no_grad()
@@ -109,17 +100,16 @@ def adaptive_forward(model, idx, cache, pos, R, threshold, policy, rows=None):
 
     def view(r):
         # the cache seen through idx's rows r; all of them as one slice, as fixed-depth decoding reads it
-        return cache.select(rows[r] if rows is not None else None if r.numel() == B else r)
+        return cache.view(rows[r] if rows is not None else None if r.numel() == B else r)
 
     logits = torch.zeros(B, model.config.vocab_size, device=idx.device)
     used = torch.full((B,), float(R), device=idx.device)
-    h = e = model.prelude(model.embed(idx, pos), view(every), pos)
+    h = e = model.begin(idx, view(every), pos)
     live, prev = every, None                   # the rows still looping; what their next score needs
     h_exit = torch.zeros_like(e)               # the state each row exited with (for the coda)
     for k in range(1, R + 1):
         h, = model.loops(h, e, [k], view(live), pos).states  # loop k, on the rows still looping
-        z = model.coda_readout(h, k, view(live), pos)[:, -1]  # (B', C); the coda writes its slots
-        logits_k = model.lm_head(z).float()                   # (B', V)
+        z, logits_k = model.exit(h, k, view(live), pos)       # (B', C), (B', V); the coda writes its slots
         score, prev = score_at_exit(model, policy, z, logits_k, prev)
         out = torch.ones_like(live, dtype=torch.bool) if k == R else score >= threshold
         if not bool(out.any()):
@@ -127,8 +117,8 @@ def adaptive_forward(model, idx, cache, pos, R, threshold, policy, rows=None):
         done = live[out]
         logits[done], used[done], h_exit[done] = logits_k[out], float(k), h[out]
         if k < R and cache.policy == 'active':  # loops k+1..R's attention will not see this position
-            for k2, j in itertools.product(range(k + 1, R + 1), range(cache.K)):
-                view(done).slot('loop', j, k2).hide(pos)
+            for later, j in itertools.product(range(k + 1, R + 1), range(cache.K)):
+                view(done).slot('loop', j, later).hide(pos)
         elif k < R:  # done's cache rows, each exiting at loop k, position pos
             c, zero = done if rows is None else rows[done], torch.zeros_like(done)
             fill_skipped(model, cache, c, h[out], e[out], zero + k, zero + pos, R)

@@ -64,7 +64,7 @@ def seq_ce(logits, targets):
 
 
 def policies(model):
-    """The exit policies this model has: all of model.EXIT_POLICIES, 'gate' only with a learned gate."""
+    """The exit policies this model has: decoding.exits.EXIT_POLICIES, 'gate' only with a learned gate."""
     return [p for p in EXIT_POLICIES if p != 'gate' or model.config.exit_gate == 'learned']
 
 

@@ -76,7 +76,7 @@ def test_a_skipped_slot_is_filled_before_the_rows_next_token_reads_it(kv_policy,
     class Poisoned(batching.KVCache):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
-            self.loop_v.fill_(1e4)
+            self.loop_value.fill_(1e4)
     def hashed(model, policy, z, logits, prev=None):
         return (z.sum(-1) * 3).frac().abs(), None
     monkeypatch.setattr(batching, 'KVCache', Poisoned)
@@ -103,13 +103,12 @@ def test_the_learned_gate_exits_as_at_batch_1():
 
 def test_rows_at_different_loops_share_one_block_call(monkeypatch):
     m, ps, seen = tiny(), prompts(), []
-    loops = m.round
+    advance = m.advance
 
-    def spy(x, e, ks, cache=None, pos=0):
-        if getattr(cache, 'loops', None) is not None:  # a call of serve: each row at its own loop
-            seen.append(cache.loops.clone())
-        return loops(x, e, ks, cache, pos)
-    monkeypatch.setattr(m, 'round', spy)
+    def spy(h, e, k, cache, pos):  # a call of serve: each row at its own loop k
+        seen.append(k.clone())
+        return advance(h, e, k, cache, pos)
+    monkeypatch.setattr(m, 'advance', spy)
     outs, used, stats = serve(m, ps, 12, Decoding(batch_size=3, temperature=0, exit_threshold=1e-3,
                                                   exit_policy='kl'))
     assert stats['calls'] == len(seen)
@@ -290,12 +289,13 @@ def test_the_decode_step_reads_nothing_back_to_the_host(kw, opts, monkeypatch):
     monkeypatch.setattr(batching, 'step', guarded)
     outs, used, _ = serve(m, ps, 8, Decoding(batch_size=3, temperature=0, **opts))
     assert steps and all(len(u) == 8 for u in used)
-    real = batching.readout
+    real = m.exit
 
-    def planted(model, h, ks, view, pos):
-        int(ks.max())  # a host read, as an exit decision read back at every call would be
-        return real(model, h, ks, view, pos)
-    monkeypatch.setattr(batching, 'readout', planted)
+    def planted(h, k, *args):
+        if torch.is_tensor(k):  # the step's exits (a prompt pass's is exit R for every row)
+            int(k.max())  # a host read, as an exit decision read back at every call would be
+        return real(h, k, *args)
+    monkeypatch.setattr(m, 'exit', planted)
     with pytest.raises(AssertionError, match='host sync'):
         serve(m, ps, 2, Decoding(batch_size=3, temperature=0, **opts))
 

@@ -138,14 +138,14 @@ def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_say
                 slot = cache.slot('loop', j, k)
                 if policy == 'active':
                     assert bool(slot.reach[b, pos]) == (k <= exit_k), (b, k, j)
-                    w = w if k <= exit_k else [torch.zeros_like(slot.k[b, :, pos])] * 2  # never written
-                got = (slot.k[b, :, pos], slot.v[b, :, pos])
+                    w = w if k <= exit_k else [torch.zeros_like(slot.key[b, :, pos])] * 2  # never written
+                got = (slot.key[b, :, pos], slot.value[b, :, pos])
                 assert all(torch.allclose(g, t, atol=1e-5) for g, t in zip(got, w)), (b, k, j)
             if m.config.n_coda:  # the coda's slot holds the K/V of the row's own exit state
                 coda = cache.slot('coda', 0)
                 w = kv(states[exit_k], 0, b, m.transformer.coda[0])
-                assert torch.allclose(coda.k[b, :, pos], w[0], atol=1e-5)
-                assert torch.allclose(coda.v[b, :, pos], w[1], atol=1e-5)
+                assert torch.allclose(coda.key[b, :, pos], w[0], atol=1e-5)
+                assert torch.allclose(coda.value[b, :, pos], w[1], atol=1e-5)
 
 
 @pytest.mark.parametrize('policy', ['copy', 'shared', 'active'])
@@ -278,8 +278,8 @@ def test_rejected_drafts_leave_nothing_stale_in_the_cache():
     n = out.size(1) - 1  # positions 0..n-1 have run
     for part in ('prelude', 'loop', 'coda'):
         for a, b in zip(spec_cache.slots[part], fixed_cache.slots[part]):
-            assert torch.allclose(a.k[:, :, :n], b.k[:, :, :n], atol=1e-6), part
-            assert torch.allclose(a.v[:, :, :n], b.v[:, :, :n], atol=1e-6), part
+            assert torch.allclose(a.key[:, :, :n], b.key[:, :, :n], atol=1e-6), part
+            assert torch.allclose(a.value[:, :, :n], b.value[:, :, :n], atol=1e-6), part
 
 
 def sharp(V=5, R=3):

@@ -134,6 +134,20 @@ def test_final_only_readout_is_raw_at_early_exits_and_normalised_at_the_last():
     assert torch.allclose(m.readout(h, 3), m.readout(4 * h, 3), atol=1e-4)
 
 
+def test_final_only_reads_each_row_at_its_own_exit_in_one_call():
+    # depth batching reads rows at other exits in one call (model.exit with an exit per row): each row's
+    # z and logits are those of its exit alone, raw before n_loop and normed from it on
+    m = tiny(readout='final_only', n_coda=1)
+    with torch.no_grad():
+        m.transformer.ln_out.weight.uniform_(0.5, 1.5)  # a normed exit is then not a rescaled raw one
+        h, k = torch.randn(4, 2, 16), torch.tensor([1, 2, 3, 4])
+        z, logits = m.exit(h, k)
+        for b in range(4):
+            z_b, logits_b = m.exit(h[b:b + 1], int(k[b]))
+            torch.testing.assert_close((z[b], logits[b]), (z_b[0], logits_b[0]))
+        assert not torch.allclose(z[1], m.exit(h[1:2], 3)[0][0])  # exit 2 of 3 is raw, exit 3 normed
+
+
 @pytest.mark.parametrize('R', [2, 5])
 def test_final_only_norms_the_last_exit_of_a_sampled_depth(R):
     # a training step that draws R != n_loop (loop_sampling) still reads its last exit through the norm
@@ -633,8 +647,8 @@ def test_skipped_loops_fill_their_cache_slots_from_the_exit_state():
         for j, block in enumerate(m.transformer.h):
             _, kk, vv = block.attn.qkv(block.ln_1(x))
             slot = cache.slots['loop'][(k - 1) * K + j]
-            assert torch.allclose(slot.k[:, :, 4:5], kk, atol=1e-5)
-            assert torch.allclose(slot.v[:, :, 4:5], vv, atol=1e-5)
+            assert torch.allclose(slot.key[:, :, 4:5], kk, atol=1e-5)
+            assert torch.allclose(slot.value[:, :, 4:5], vv, atol=1e-5)
 
 
 @pytest.mark.parametrize('kw,n_exits', [(dict(), 3), (dict(supervision='terminal'), 1)])

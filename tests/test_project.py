@@ -39,11 +39,25 @@ def recurrences(path):
     return sorted(set(found))
 
 
+def shared_blocks(path):
+    """Where a file names the shared blocks (`<x>.transformer.h`), and which of those are a loop's iterable
+    (a for, or a comprehension: a list of them, an enumerate or a zip over them alike)."""
+    tree = ast.parse(path.read_text(encoding='utf-8'))
+    named = lambda node: [n for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr == 'h'
+                          and isinstance(n.value, ast.Attribute) and n.value.attr == 'transformer']
+    loops = [n.iter for n in ast.walk(tree) if isinstance(n, (ast.For, ast.comprehension)) and named(n.iter)]
+    return [n.lineno for n in named(tree)], [n.lineno for n in loops]
+
+
 def test_the_recurrence_is_written_once():
-    # training, decoding, early exit and every diagnostic reach the loop through GPT.loops; the one other
-    # recurrence is bench's plain yardstick, an independent implementation on purpose
+    # the K shared blocks run in one loop body (GPT.visit), which the recurrence (GPT.loops) and depth
+    # batching's rows at other loops (GPT.advance) both call: model.py names the shared blocks in that loop
+    # alone. Training, decoding, early exit and every diagnostic reach the loop through GPT.loops; the one
+    # recurrence written out elsewhere is bench's plain yardstick, an independent implementation on purpose
+    named, loops = shared_blocks(REPO / 'model.py')
+    assert len(loops) == 1 and named == loops, (named, loops)
     found = [f for p in python_files(include_tests=False) for f in recurrences(p)]
-    assert [f.split(':')[0] for f in found] == ['lab/bench_train.py', 'model.py'], found
+    assert [f.split(':')[0] for f in found] == ['lab/bench_train.py'], found
     for name in ('decoding/engine.py', 'run/diagnostics.py', 'lab/eval_depth.py'):
         assert 'model.loops(' in (REPO / name).read_text(encoding='utf-8'), name
 
