@@ -756,16 +756,18 @@ def test_the_grouped_verdicts_are_the_rules_on_the_grouped_cis():
                               case_phi=0.69, seeds=4),
                hyper=dict(delta_phi=0.050, ci=[-0.11, 0.17], n_runs=61, n_groups=21, baseline_phi=0.70,
                           case_phi=0.75, seeds=1))
-    got = {key: word for key, word, _, _ in isodepth.grouped_verdicts(res)}
-    assert got[isodepth.CLAIMS['baseline']] == 'reproduces'           # inside (0, 1)
-    assert got["phi at the paper's size"] == 'direction only'         # above 0, not the paper's 0.459
-    assert got[isodepth.CLAIMS['truncated']] == 'inconclusive'        # holds 0 and the paper's -0.073
-    assert got[isodepth.CLAIMS['hyper']] == 'does not reproduce'      # holds 0, excludes the paper's +0.193
-    lines = isodepth.grouped_verdict_lines(res)  # each verdict says the seeds its runs hold, a cell at a time
+    got = {key: word for key, word, _, _ in isodepth_report.grouped_verdicts(res)}
+    claims = isodepth_report.CLAIMS
+    assert got[claims['baseline']] == 'reproduces'           # inside (0, 1)
+    assert got["phi at the paper's size"] == 'direction only'  # above 0, not the paper's 0.459
+    assert got[claims['truncated']] == 'inconclusive'        # holds 0 and the paper's -0.073
+    assert got[claims['hyper']] == 'does not reproduce'      # holds 0, excludes the paper's +0.193
+    # each verdict says the seeds its runs hold, a cell at a time
+    lines = isodepth_report.grouped_verdict_lines(res)
     assert ' (4 seeds); ' in lines[2] and ' (1 seed); ' in lines[3] and ' (1 seed); ' in lines[0]
     res['baseline']['ci'] = [0.69, 1.05]
-    words = {k: w for k, w, _, _ in isodepth.grouped_verdicts(res)}
-    assert words[isodepth.CLAIMS['baseline']] == 'inconclusive'
+    words = {k: w for k, w, _, _ in isodepth_report.grouped_verdicts(res)}
+    assert words[claims['baseline']] == 'inconclusive'
 
 
 def test_grouped_compares_only_the_case_studies_a_sweep_trained(tmp_path):
