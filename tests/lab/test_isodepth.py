@@ -1,6 +1,6 @@
 """
 The iso-depth scaling law (docs/isodepth.md): the parameter and FLOP counts it is fitted on, and the fitter
-lab/isodepth.py, which is tested on losses drawn from the law with a known phi before it is trusted with
+lab/isodepth_fit.py, which is tested on losses drawn from the law with a known phi before it is trusted with
 real runs. Fits here use fewer starts and resamples than the command's defaults, to run in seconds.
 """
 import csv
@@ -21,6 +21,8 @@ from test_model import V, T, batch, tiny
 from test_reliability import assert_clean_error
 
 import isodepth
+import isodepth_fit
+import isodepth_report
 from run.accounting import flops_per_token, param_counts
 from model import GPT, GPTConfig
 
@@ -103,10 +105,10 @@ QUICK = dict(starts=30, resamples=60, boot_starts=2)
 
 @functools.lru_cache(maxsize=None)
 def fitted(phi):
-    return isodepth.fit(draw(phi), **QUICK)
+    return isodepth_fit.fit(draw(phi), **QUICK)
 
 
-def write_csv(path, runs, columns=(*isodepth.COLUMNS, 'budget')):
+def write_csv(path, runs, columns=(*isodepth_fit.COLUMNS, 'budget')):
     with open(path, 'w', newline='', encoding='utf-8') as f:
         w = csv.writer(f)
         w.writerow(columns)
@@ -147,7 +149,7 @@ def test_the_likelihood_ratio_rejects_phi_1_only_when_the_runs_were_drawn_below_
     # 48 runs at 0.01 nats drawn at phi = 1: its test does not reject phi = 1 (p > 0.05); drawn at 0.5 it
     # does, far past chance. One draw (seed 2); over draws 1-30 at phi = 1 the statistic averaged 1.24
     # (chi^2 with 1 dof: 1) and 2 of 30 rejected at 5 %, so the chi^2 tail is about right here
-    res = isodepth.fit(draw(phi, seed=2), starts=30, resamples=20, boot_starts=1)
+    res = isodepth_fit.fit(draw(phi, seed=2), starts=30, resamples=20, boot_starts=1)
     test = res['vs_phi1']
     assert (test['p'] < 0.05) == rejected and (test['p_boot'] < 0.05) == rejected, test
     assert (res['vs_phi0']['p'] < 1e-6) and res['vs_phi0']['p_boot'] < 0.05  # phi = 0 is always far off
@@ -158,11 +160,11 @@ def test_refits_on_an_edge_of_the_box_are_counted_per_parameter():
     # upper edge (3)
     inside = [2.0, 2.0, -1.0, 0.3, 0.2, 0.5]
     thetas = np.array([inside, [2.0, 2.0, -3.0, 0.3, 0.2, 0.5], [2.0, 2.0, -3.0, 0.3, 0.2, 3.0]])
-    edges = isodepth.box_edges(thetas)
-    assert set(edges) == set(isodepth.NAMES)
+    edges = isodepth_fit.box_edges(thetas)
+    assert set(edges) == set(isodepth_fit.NAMES)
     assert edges['e'] == dict(low=2, high=0) and edges['phi'] == dict(low=0, high=1)
     assert all(edges[k] == dict(low=0, high=0) for k in ('a', 'b', 'alpha', 'beta'))
-    assert isodepth.on_edge(thetas[2]) == ['e', 'phi'] and isodepth.on_edge(inside) == []
+    assert isodepth_fit.on_edge(thetas[2]) == ['e', 'phi'] and isodepth_fit.on_edge(inside) == []
     res = fitted(0.46)
     assert sum(res['box_edges']['phi'].values()) <= res['resamples']
     assert {k: res['fits'][k]['on_edge'] for k in res['fits']} == {'free': [], 'phi=0': [], 'phi=1': []}
@@ -173,9 +175,9 @@ def test_24_runs_at_two_budgets_are_reported_not_identified():
     # only, whose phi is arbitrary: the CI is wider than PHI_CI_WIDTH, and phi is withheld. (Not every draw:
     # over 5 seeds, 2 were. 24 runs at three budgets were identified, +-0.05 to +-0.1, in this family)
     keep = lambda g: np.isin(g[:, 4], BUDGETS[:2]) & np.isin(g[:, 2], (1, 2, 8))
-    res = isodepth.fit(draw(0.46, seed=0, keep=keep), **QUICK)
+    res = isodepth_fit.fit(draw(0.46, seed=0, keep=keep), **QUICK)
     lo, hi = res['phi_ci']
-    assert res['n_runs'] == 24 and hi - lo > isodepth.PHI_CI_WIDTH, res
+    assert res['n_runs'] == 24 and hi - lo > isodepth_fit.PHI_CI_WIDTH, res
     assert not res['identified'] and res['phi'] is None and res['degenerate_resamples'] > 0
 
 
@@ -190,24 +192,24 @@ UNIDENTIFIED = {  # a part of the grid -> why it cannot identify phi
 @pytest.mark.parametrize('keep,why', UNIDENTIFIED.values(), ids=UNIDENTIFIED.keys())
 def test_designs_that_cannot_identify_phi_stop_with_one_line(keep, why, capsys):
     runs = draw(0.46, keep=keep)
-    assert why in isodepth.not_identified(runs)
+    assert why in isodepth_fit.not_identified(runs)
     with pytest.raises(SystemExit):
-        isodepth.fit(runs, **QUICK)
+        isodepth_fit.fit(runs, **QUICK)
     assert_clean_error(1, capsys.readouterr().err, 'phi is not identified', why)
 
 
 def test_each_model_at_one_token_count_is_not_identified():
     # two budgets, but each model trained at one of them only: D moves with width
     runs = draw(0.46, keep=lambda g: g[:, 4] == np.where(g[:, 0] < 2e7, BUDGETS[0], BUDGETS[2]))
-    assert 'each model (n_once, n_rec) trained on one token count' in isodepth.not_identified(runs)
+    assert 'each model (n_once, n_rec) trained on one token count' in isodepth_fit.not_identified(runs)
 
 
 def test_without_a_budget_column_runs_of_one_6ND_budget_share_a_cell():
     runs = draw(0.46)
     runs['tokens'] = runs['budget'] / (6 * (runs['n_once'] + runs['r'] * runs['n_rec']))
-    with_column, budgets, rs = isodepth.cells(runs)
+    with_column, budgets, rs = isodepth_fit.cells(runs)
     del runs['budget']
-    without, _, _ = isodepth.cells(runs)
+    without, _, _ = isodepth_fit.cells(runs)
     assert len(rs) == 12 and budgets.max() == 2 and (with_column == without).all()
 
 # -----------------------------------------------------------------------------
@@ -449,28 +451,28 @@ def test_the_reports_cells_are_the_values_in_its_json(tiny_data, tiny_sweep, tmp
     isodepth.main([*FAKE, '--report_only'])
     res = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())
     md = (tmp_path / 'rep' / 'isodepth.md').read_text()
-    for case in isodepth.CASES:
+    for case in isodepth_report.CASES:
         fit = res['cases'][case]
         # 4 widths x 3 budgets x r in {1, 2}, r = 1 shared; second seeds on 4 baseline cells, 2 at r = 1
         assert fit['finished'] == fit['planned'] == (4 * 3 * 2 + 4 if case == 'baseline' else 4 * 3 * 2 + 2)
         row = next(line for line in md.splitlines() if line.startswith(f'| {case} |'))
         cells = [c.strip() for c in row.strip('|').split('|')]
-        assert cells[1] == isodepth.runs_cell(fit) == f"{fit['finished']}/{fit['planned']}"
-        assert cells[2:10] == isodepth.phi_cells(fit)
+        assert cells[1] == isodepth_report.runs_cell(fit) == f"{fit['finished']}/{fit['planned']}"
+        assert cells[2:10] == isodepth_report.phi_cells(fit)
         # the JSON's schema, for every case: phi, its CI, and both tests with a statistic and a p
         assert {'phi', 'phi_ci', 'vs_phi0', 'vs_phi1', 'verdict', 'box_edges'} <= set(fit)
         for t in ('vs_phi0', 'vs_phi1'):
             assert {'statistic', 'p'} <= set(fit[t]) and 0 <= fit[t]['p'] <= 1
-        assert f"| {case} | 1 | " + ' | '.join(isodepth.test_cells(fit['vs_phi1'])) + ' |' in md
+        assert f"| {case} | 1 | " + ' | '.join(isodepth_report.test_cells(fit['vs_phi1'])) + ' |' in md
         lo, hi = fit['phi_ci']
         assert cells[3] == f"[{lo:.3f}, {hi:.3f}]" and float(cells[4]) == round(fit['alpha'], 3)
         # the case's CSV refits to the same phi with the same seed: the JSON is the --fit of that table
         path = tmp_path / 'rep' / f'isodepth_{case}.csv'
-        assert isodepth.fit(isodepth.read_runs(str(path)), 10, 20, 1, 0)['phi_fit'] == fit['phi_fit']
+        assert isodepth_fit.fit(isodepth_fit.read_runs(str(path)), 10, 20, 1, 0)['phi_fit'] == fit['phi_fit']
     for case in ('truncated', 'hyper'):  # each against the baseline, on the 3 x 2 cells both hold
         fit = res['cases'][case]
         assert {'delta_phi', 'delta_phi_ci'} <= set(fit) and fit['delta']['n_cells'] == 6
-        assert f"| {case} | " + ' | '.join(isodepth.delta_cells(fit)) + ' |' in md
+        assert f"| {case} | " + ' | '.join(isodepth_report.delta_cells(fit)) + ' |' in md
         assert fit['delta_phi'] == pytest.approx(fit['delta']['case_phi'] - fit['delta']['baseline_phi'])
     for row in res['runs']:
         assert f"| {row['name']} |" in md and f"{row['loss']:.4f} |" in md
@@ -501,16 +503,16 @@ def test_phi_verdicts_are_the_one_rule_on_phi_inside_0_1_and_the_paired_delta_ag
     # a CI that holds 0 is never 'direction only', and one that holds 0 but not the paper's size rejects it
     fits = dict(baseline=fit_result(*base), truncated=fit_result(0.3, -1, 2, truncated),
                 hyper=fit_result(0.6, -1, 2, hyper))
-    lines = isodepth.verdict_lines(fits)
+    lines = isodepth_report.verdict_lines(fits)
     claims = ('a loop is worth part', 'truncated backprop lowers phi', 'hyper-connections raise phi')
     assert tuple(verdict(lines, c) for c in claims) == words
-    assert tuple(word for _, word, _ in isodepth.verdicts(fits).values()) == words
+    assert tuple(word for _, word, _ in isodepth_report.verdicts(fits).values()) == words
 
 
 def test_phi_verdicts_say_not_tested_without_a_measured_delta():
     fits = dict(baseline=fit_result(0.46, 0.41, 0.53), truncated=dict(error='no finished run'),
                 hyper=dict(fit_result(0.5, -1.0, 2.0), delta=dict(error='on the 3 cells both cases hold')))
-    lines = isodepth.verdict_lines(fits)
+    lines = isodepth_report.verdict_lines(fits)
     assert verdict(lines, 'truncated') == verdict(lines, 'hyper') == 'not tested'
     assert 'on the 3 cells' in next(line for line in lines if 'hyper' in line)
 
@@ -528,7 +530,8 @@ def test_the_paired_bootstrap_of_delta_phi_sees_a_case_studys_shift_and_no_shift
     # the baseline drawn at phi 0.46 and a case study at phi, both at 0.01 nats: the delta's paired CI lies
     # on the side of 0 that the truth does, and holds 0 when the case is the baseline's law. One draw each
     base = draw(0.46, seed=1)
-    d = isodepth.delta_phi(base, shared_r1(base, draw(phi, seed=3)), starts=30, resamples=60, boot_starts=2)
+    d = isodepth_fit.delta_phi(base, shared_r1(base, draw(phi, seed=3)), starts=30, resamples=60,
+                               boot_starts=2)
     lo, hi = d['delta_phi_ci']
     assert d['n_cells'] == 12 and lo <= d['delta_phi'] <= hi, d
     assert d['delta_phi'] == pytest.approx(d['case_phi'] - d['baseline_phi'])
@@ -541,9 +544,9 @@ def test_delta_phi_uses_only_the_cells_both_tables_hold_and_says_when_too_few_re
     base = draw(0.46, seed=1)
     case = shared_r1(base, draw(0.2, seed=3))
     low = case['budget'] == BUDGETS[0]
-    d = isodepth.delta_phi(base, {k: v[low] for k, v in case.items()}, starts=5, resamples=2)
+    d = isodepth_fit.delta_phi(base, {k: v[low] for k, v in case.items()}, starts=5, resamples=2)
     assert d['n_cells'] == 4 and 'on the 4 cells both cases hold' in d['error']
-    common, rows = isodepth.shared_cells(base, {k: v[low] for k, v in case.items()})
+    common, rows = isodepth_fit.shared_cells(base, {k: v[low] for k, v in case.items()})
     assert len(common) == 4 and all(len(r[k]) == 4 for r in rows for k in common)  # 4 widths a cell
 
 
@@ -604,8 +607,8 @@ def test_the_committed_baseline_rejects_phi_1_by_the_likelihood_ratio_its_csv_gi
     # the report's numbers are the --fit of its table: the least-squares fits behind the likelihood ratio
     # find the same optima from 30 starts as from 500 (the bootstrap is left out here, to run in seconds)
     res = committed()['cases']['baseline']
-    refit = isodepth.fit(isodepth.read_runs(os.path.join(REPO, 'assets', 'isodepth_baseline.csv')), starts=30,
-                         resamples=1, boot_starts=0, test_resamples=0)
+    refit = isodepth_fit.fit(isodepth_fit.read_runs(os.path.join(REPO, 'assets', 'isodepth_baseline.csv')),
+                             starts=30, resamples=1, boot_starts=0, test_resamples=0)
     for t in ('vs_phi0', 'vs_phi1'):
         assert refit[t]['statistic'] == pytest.approx(res[t]['statistic'], rel=1e-4), t
         assert refit[t]['p'] == pytest.approx(res[t]['p'], rel=1e-3) and res[t]['p'] < 0.05
@@ -614,19 +617,19 @@ def test_the_committed_baseline_rejects_phi_1_by_the_likelihood_ratio_its_csv_gi
 
 def test_a_case_without_runs_at_r_above_1_is_not_tested_and_carries_no_number():
     # a case study whose only runs are the shared r = 1 ones: null phi, CI and tests, each saying why
-    runs, columns = draw(0.46, keep=lambda g: g[:, 2] == 1), (*isodepth.COLUMNS, 'budget')
+    runs, columns = draw(0.46, keep=lambda g: g[:, 2] == 1), (*isodepth_fit.COLUMNS, 'budget')
     rows = [dict(zip(columns, vals)) for vals in zip(*(runs[c] for c in columns))]
     res = isodepth.fit_case(rows, None)
     assert 'r = 1' in res['error'] and res['phi'] is None and res['phi_ci'] is None
     assert res['vs_phi1']['statistic'] is None and res['vs_phi1']['p'] is None
     assert res['vs_phi1']['why'].startswith('not tested')
     base = fit_result(0.46, 0.41, 0.53)
-    assert isodepth.verdicts(dict(baseline=base, hyper=res))['hyper'][1] == 'not tested'
+    assert isodepth_report.verdicts(dict(baseline=base, hyper=res))['hyper'][1] == 'not tested'
 
 
 def test_the_committed_report_has_phi_both_tests_and_a_paired_delta_for_every_case():
     cases = committed()['cases']
-    assert set(cases) == set(isodepth.CASES)
+    assert set(cases) == set(isodepth_report.CASES)
     for case, res in cases.items():
         assert {'phi', 'phi_ci', 'vs_phi0', 'vs_phi1', 'verdict'} <= set(res), case
         assert all({'statistic', 'p'} <= set(res[t]) for t in ('vs_phi0', 'vs_phi1')), case
@@ -648,9 +651,9 @@ def test_the_committed_report_has_phi_both_tests_and_a_paired_delta_for_every_ca
 def test_the_committed_delta_phi_is_the_difference_of_the_two_fits_on_the_cells_both_csvs_hold(case):
     # the point delta refitted from the committed tables with 30 starts instead of 500 (no bootstrap)
     res = committed()['cases'][case]
-    base, other = (isodepth.read_runs(os.path.join(REPO, 'assets', f'isodepth_{c}.csv'))
+    base, other = (isodepth_fit.read_runs(os.path.join(REPO, 'assets', f'isodepth_{c}.csv'))
                    for c in ('baseline', case))
-    d = isodepth.delta_phi(base, other, starts=30, resamples=1, boot_starts=0)
+    d = isodepth_fit.delta_phi(base, other, starts=30, resamples=1, boot_starts=0)
     assert d['n_cells'] == res['delta']['n_cells']
     assert d['delta_phi'] == pytest.approx(res['delta_phi'], abs=2e-3)
 
@@ -659,10 +662,10 @@ def test_the_laptop_grid_brackets_the_minimum_over_width_where_the_first_grid_di
     # the committed runs: in each (budget, r) group the laptop grid trained (2.5e11, 7.5e11, 2.25e12) the
     # lowest loss lies strictly inside the widths tried; at the first grid's 6e12 budget, whose runs the fit
     # keeps, the loss still rises with width from its narrowest model (d 48)
-    runs = isodepth.read_runs(os.path.join(REPO, 'assets', 'isodepth_baseline.csv'))
+    runs = isodepth_fit.read_runs(os.path.join(REPO, 'assets', 'isodepth_baseline.csv'))
     with open(os.path.join(REPO, 'assets', 'isodepth_baseline.csv'), encoding='utf-8') as f:
         runs['width'] = np.array([float(row['width']) for row in csv.DictReader(f)])
-    inside = isodepth.interior_minima(runs, runs['loss'])
+    inside = isodepth_fit.interior_minima(runs, runs['loss'])
     grid = isodepth.SWEEPS['laptop']['grid']
     assert {k for k, ok in inside.items() if ok} == {(b, r) for b in grid for r in (1, 2, 4, 8)}
     assert {k for k, ok in inside.items() if not ok} == {(6e12, r) for r in (1, 2, 4, 8)}
@@ -676,7 +679,7 @@ def test_the_laptop_grid_brackets_the_minimum_over_width_where_the_first_grid_di
     truth = dict(committed()['cases']['baseline'])
     truth['phi'] = truth['phi_fit']
     plan = isodepth.design(jobs)
-    law = isodepth.interior_minima(plan, isodepth.law_loss(truth, plan))
+    law = isodepth_fit.interior_minima(plan, isodepth.law_loss(truth, plan))
     assert len(law) == 12 and all(law.values())
     assert 2.5 < isodepth.cpu_hours(jobs, isodepth.SWEEPS['laptop']) < 3.5
 
@@ -701,7 +704,7 @@ def test_report_only_refits_the_runs_its_csvs_recorded_when_their_folders_are_go
     again = json.loads((tmp_path / 'rep' / 'isodepth.json').read_text())
     assert [r['name'] for r in again['runs']] == [r['name'] for r in first['runs']]
     assert [r['loss'] for r in again['runs']] == [r['loss'] for r in first['runs']]
-    for case in isodepth.CASES:
+    for case in isodepth_report.CASES:
         a, b = first['cases'][case], again['cases'][case]
         assert (a['finished'], a['planned'], a['phi_fit']) == (b['finished'], b['planned'], b['phi_fit'])
     # a grid that no longer plans those runs still fits them, counted as earlier runs
@@ -738,11 +741,11 @@ def test_case_studies_are_compared_on_runs_matched_in_budget_r_width_and_seed_on
     base = table([(1e9, 1, 8, 1, 2.0), (1e9, 2, 8, 1, 2.1), (1e9, 2, 8, 2, 2.2), (1e9, 1, 64, 1, 2.3),
                   (4e9, 1, 8, 1, 1.9)])
     case = table([(1e9, 2, 8, 1, 2.0), (1e9, 1, 8, 1, 2.0), (4e9, 1, 8, 1, 1.8), (1e9, 4, 8, 1, 2.5)])
-    ib, ic, g = isodepth.matched(base, case)
+    ib, ic, g = isodepth_fit.matched(base, case)
     # the second seed and the extra width of the baseline, and the case's r = 4, have no partner
     assert sorted(zip(ib, ic)) == [(0, 1), (1, 0), (4, 2)]
-    assert isodepth.fewest_seeds(base, range(len(base['r']))) == 1  # two seeds on one cell, one elsewhere
-    assert isodepth.fewest_seeds(base, [1, 2]) == 2  # the (1e9, r 2, d 8) cell alone: seeds 1 and 2
+    assert isodepth_fit.fewest_seeds(base, range(len(base['r']))) == 1  # two seeds on one cell, one elsewhere
+    assert isodepth_fit.fewest_seeds(base, [1, 2]) == 2  # the (1e9, r 2, d 8) cell alone: seeds 1 and 2
     assert len(set(g)) == 2 and g[list(ib).index(0)] == g[list(ib).index(1)]  # (1e9, 8) vs (4e9, 8)
 
 
@@ -753,16 +756,18 @@ def test_the_grouped_verdicts_are_the_rules_on_the_grouped_cis():
                               case_phi=0.69, seeds=4),
                hyper=dict(delta_phi=0.050, ci=[-0.11, 0.17], n_runs=61, n_groups=21, baseline_phi=0.70,
                           case_phi=0.75, seeds=1))
-    got = {key: word for key, word, _, _ in isodepth.grouped_verdicts(res)}
-    assert got[isodepth.CLAIMS['baseline']] == 'reproduces'           # inside (0, 1)
-    assert got["phi at the paper's size"] == 'direction only'         # above 0, not the paper's 0.459
-    assert got[isodepth.CLAIMS['truncated']] == 'inconclusive'        # holds 0 and the paper's -0.073
-    assert got[isodepth.CLAIMS['hyper']] == 'does not reproduce'      # holds 0, excludes the paper's +0.193
-    lines = isodepth.grouped_verdict_lines(res)  # each verdict says the seeds its runs hold, a cell at a time
+    got = {key: word for key, word, _, _ in isodepth_report.grouped_verdicts(res)}
+    claims = isodepth_report.CLAIMS
+    assert got[claims['baseline']] == 'reproduces'           # inside (0, 1)
+    assert got["phi at the paper's size"] == 'direction only'  # above 0, not the paper's 0.459
+    assert got[claims['truncated']] == 'inconclusive'        # holds 0 and the paper's -0.073
+    assert got[claims['hyper']] == 'does not reproduce'      # holds 0, excludes the paper's +0.193
+    # each verdict says the seeds its runs hold, a cell at a time
+    lines = isodepth_report.grouped_verdict_lines(res)
     assert ' (4 seeds); ' in lines[2] and ' (1 seed); ' in lines[3] and ' (1 seed); ' in lines[0]
     res['baseline']['ci'] = [0.69, 1.05]
-    words = {k: w for k, w, _, _ in isodepth.grouped_verdicts(res)}
-    assert words[isodepth.CLAIMS['baseline']] == 'inconclusive'
+    words = {k: w for k, w, _, _ in isodepth_report.grouped_verdicts(res)}
+    assert words[claims['baseline']] == 'inconclusive'
 
 
 def test_grouped_compares_only_the_case_studies_a_sweep_trained(tmp_path):
