@@ -108,7 +108,8 @@ def commands():
     # what a user types: the root's scripts, the lab's scripts and its shell check
     scripts = [p for p in [*REPO.glob('*.py'), *(REPO / 'lab').glob('*.py')]
                if "__name__ == '__main__'" in p.read_text(encoding='utf-8')]
-    return [[sys.executable, str(p)] for p in sorted(scripts)] + [['bash', str(REPO / 'lab' / 'gpu_check.sh')]]
+    shell = [['bash', str(REPO / 'lab' / 'gpu_check.sh')]]
+    return [[sys.executable, str(p)] for p in sorted(scripts)] + shell
 
 
 def test_every_command_answers_help_from_another_folder_and_writes_nothing(tmp_path):
