@@ -382,13 +382,9 @@ class GPT(nn.Module):
             x, _ = block(x, rope, None if cache is None else cache.slot(part, j), pos)
         return x
 
-    def prelude(self, x, cache=None, pos=0):
-        # e, what loop 1 reads and the injection re-feeds: the embedded tokens x after the prelude
-        return self.untied('prelude', x, cache, pos)
-
     def begin(self, idx, cache=None, pos=0):
-        # e of the tokens idx (B, T) at positions pos..: embedded, then through the prelude
-        return self.prelude(self.embed(idx, pos), cache, pos)
+        # e, what loop 1 reads and the injection re-feeds: tokens idx (B, T) at pos.. embedded, then prelude
+        return self.untied('prelude', self.embed(idx, pos), cache, pos)
 
     def inject(self, x, e):
         # e re-enters (§4): added, or through the adapter W [x; e] (Huginn) | W [e; s] (§3: on s_0 = e too)

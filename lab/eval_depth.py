@@ -159,7 +159,7 @@ def depth_pass(model, X, Y, batch_size, threshold=None, policy='margin'):
     ce_sum, loops_sum = 0.0, 0
     for i in range(0, X.size(0), batch_size):
         tgt = Y[i:i + batch_size]
-        h = e = model.prelude(model.embed(X[i:i + batch_size]))
+        h = e = model.begin(X[i:i + batch_size])
         for k in range(1, R + 1):
             h = model.loops(h, e, [k]).states[0]
             if threshold is None and k < R:

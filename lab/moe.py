@@ -57,7 +57,7 @@ def boundary_ce(model, X, Y, K):
     K layers of a unique one (n_loop = 1), through the same readout norm and head."""
     if model.config.n_loop > 1:
         return model.exit_metrics(X, Y)[0]
-    x, ces, W = model.prelude(model.embed(X)), [], model.lm_head.weight
+    x, ces, W = model.begin(X), [], model.lm_head.weight
     rope = model.rope(0, X.size(1))
     for j, block in enumerate(model.transformer.h, start=1):
         x, _ = block(x, rope)

@@ -131,7 +131,7 @@ def clamped_states(model, idx, n_loop=None, clamp='none'):
     per-token RMS. The clamped state is what is read out and what enters the next loop."""
     assert clamp in CLAMPS, f"clamp={clamp!r}: choose one of {', '.join(CLAMPS)}"
     R = model.config.n_loop if n_loop is None else n_loop
-    h = e = model.prelude(model.embed(idx))
+    h = e = model.begin(idx)
     states = []
     for k in range(1, R + 1):  # one loop at a time: the clamped h_k is what loop k+1 reads
         h_prev, h = h, model.loops(h, e, [k]).states[0]

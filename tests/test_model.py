@@ -702,7 +702,7 @@ def test_a_cached_multi_token_step_after_position_0_equals_the_full_recompute(kw
         full = m.readout(m.run(idx).states[-1], R)  # (B, T, V)
         cache, pos = KVCache(m, 2, R, 'cpu', torch.float32), 0
         for n in (5, 4, 1, 6):
-            e = m.prelude(m.embed(idx[:, pos:pos + n], pos), cache, pos)
+            e = m.begin(idx[:, pos:pos + n], cache, pos)
             h = m.loops(e, e, range(1, R + 1), cache, pos).states[-1]
             got = m.lm_head(m.coda_readout(h, R, cache, pos))
             assert torch.allclose(got, full[:, pos:pos + n], atol=1e-5), (pos, n)

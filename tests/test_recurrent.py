@@ -98,7 +98,7 @@ def test_concat_injection_starts_as_the_identity_and_add_injection_adds_the_prel
     m = tiny(n_prelude=1, injection='add', inter_loop_norm='rmsnorm')
     e = m.transformer.prelude[0](m.embed(X), m.rope(0, T))[0]
     seen = []
-    x = m.prelude(m.embed(X))
+    x = m.begin(X)
     states = m.loops(x, x, range(1, 4)).states
     for h, h_next in zip(states, states[1:]):  # loop k+1 starts from ln_loop(h_k) + e
         block_in = m.transformer.ln_loop(h) + e

@@ -293,7 +293,7 @@ def block_inputs(m, X, R):
     seen = []
     hook = m.transformer.h[0].register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
     with torch.no_grad():
-        e = m.prelude(m.embed(X))
+        e = m.begin(X)
         states = m.loops(e, e, range(1, R + 1)).states
     hook.remove()
     return seen, e, states
