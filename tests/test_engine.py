@@ -1,6 +1,7 @@
 """engine.py and exits.py: the KV-cache policies, what an early exit leaves in every slot, the refill past the
 block size, self-speculative decoding."""
 import copy
+import functools
 import math
 from collections import Counter
 
@@ -12,16 +13,10 @@ from decoding import exits
 from decoding.engine import Decoding, KVCache, decode_step, generate, speculate_round
 from decoding.exits import adaptive_forward, adaptive_step
 from model import GPT, GPTConfig
+from conftest import T, V, tiny_gpt
 from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
 
-V, T = 48, 16
-
-
-def tiny(**kw):
-    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=4, n_head=2, n_embd=16)
-    base.update(kw)
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**base)).eval()
+tiny = functools.partial(tiny_gpt, n_loop=4, training=False)  # K 2, R 4, C 16, in eval mode
 
 
 def prompts(B=3, n=4, seed=1):
