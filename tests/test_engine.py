@@ -12,7 +12,6 @@ from decoding import engine
 from decoding import exits
 from decoding.engine import Decoding, KVCache, decode_step, generate, speculate_round
 from decoding.exits import adaptive_forward, adaptive_step
-from model import GPT, GPTConfig
 from conftest import T, V, tiny_gpt
 from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
 
@@ -279,8 +278,7 @@ def test_rejected_drafts_leave_nothing_stale_in_the_cache():
 
 def sharp(V=5, R=3):
     """A tiny-vocabulary model whose loops disagree: exit 1's next-token distribution is far from exit R's."""
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_loop=R, n_head=2, n_embd=16, init='gpt2'))
+    m = tiny_gpt(vocab_size=V, n_layer=1, n_loop=R, init='gpt2')
     with torch.no_grad():
         for name, p in m.transformer.h.named_parameters():
             # residual projections at 1/sqrt(2N) of the rest (N = 3), then all 30x: loops that disagree
