@@ -9,6 +9,7 @@ from decoding import exits
 from compute import kernels
 from decoding.batching import serve
 from decoding.engine import Decoding, generate
+from conftest import REPO
 from test_engine import V, tiny  # the engine tests' tiny model (V 48, block 16)
 from test_sample import run_main
 
@@ -377,10 +378,8 @@ def test_the_batch_8_bar_is_what_the_eight_committed_calls_say_copy_holds_it_rec
     # from the raw calls in assets/serve_b8_repeats.txt: a call is the unit, its t-interval the evidence
     import os
     import re
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, 'lab'))
     from verdict import mean_ci
+    root = REPO
     path = os.path.join(root, 'assets', 'serve_b8_repeats.txt')
     calls = open(path, encoding='utf-8').read().split('=== call')
     whole, steady = {}, {}

@@ -2,64 +2,31 @@
 A run survives its cluster: preemption signals, automatic resume, a dead or stalled rank, a full disk.
 Each test pins one guarantee of the README's "Long runs" section.
 
-Signals are sent at a known point without sleeping: HOOKS runs the real train.py in a real process and
-sends the signal from inside the k-th optimizer step (or kills or stalls that rank there).
+Signals are sent at a known point without sleeping: tests/train_hooks.py's `signals` hook runs the real
+train.py in a real process and sends the signal from inside the k-th optimizer step (or kills or stalls that
+rank there).
 """
 import errno
 import os
 import signal
 import socket
 import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics
-from test_reliability import assert_clean_error, model_tensors_equal, snapshot, torchrun_unavailable
+from conftest import (TINY, cli_env, read_metrics, run_train, run_train_process, skip_without_torchrun,
+                      train_command, write_data)
+from test_reliability import assert_clean_error, model_tensors_equal, snapshot
 
 from run import checkpoint
 from run.ops import duration
 
-HOOKS = textwrap.dedent('''
-    # train.py with a test hook (train.py has no debug switches): at the HOOK_STEP-th optimizer step of rank
-    # HOOK_RANK, HOOK_ACTION: signals sent to this process, one after the other ('SIGTERM', 'SIGINT SIGINT',
-    # 'SIGKILL'), or stall (sleep 10 min).
-    # HOOK_SAVE_SIGNALS=1: every checkpoint write also sends this process SIGTERM and SIGUSR1 halfway through.
-    import os, runpy, signal, sys, time
-    import torch
-    sys.path.insert(0, os.environ['REPO'])
-    rank, hook_rank = int(os.environ.get('RANK', '0')), int(os.environ.get('HOOK_RANK', '0'))
-    action, at, calls = os.environ['HOOK_ACTION'], int(os.environ['HOOK_STEP']), [0]
-    step, save = torch.optim.AdamW.step, torch.save
-    def hooked_step(self, *a, **k):
-        calls[0] += 1
-        if rank == hook_rank and calls[0] == at:
-            if action == 'stall':
-                time.sleep(600)
-            for name in action.split():
-                os.kill(os.getpid(), getattr(signal, name))
-        return step(self, *a, **k)
-    def save_with_signals(obj, f, *a, **k):
-        os.kill(os.getpid(), signal.SIGTERM)
-        save(obj, f, *a, **k)
-        os.kill(os.getpid(), signal.SIGUSR1)
-    torch.optim.AdamW.step = hooked_step
-    if os.environ.get('HOOK_SAVE_SIGNALS'):
-        torch.save = save_with_signals
-    sys.argv = ['train.py'] + sys.argv[1:]
-    runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
-''')
 
-
-def run_hooked(args, cwd, action, step, **env):
-    """train.py in a real process, with HOOK_ACTION at optimizer step `step` (1-based)."""
-    (cwd / 'hooks.py').write_text(HOOKS)
-    return subprocess.run([sys.executable, 'hooks.py', *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=cli_env(REPO=REPO, HOOK_ACTION=action, HOOK_STEP=str(step), **env))
+def run_signalled(args, cwd, action, step, **env):
+    """train.py in a real process, HOOK_ACTION at optimizer step `step` (1-based): train_hooks.signals."""
+    return run_train_process(args, cwd, 'signals', HOOK_ACTION=action, HOOK_STEP=str(step), **env)
 
 
 def stop_lines(out):
@@ -87,13 +54,13 @@ def test_a_signal_stops_after_the_step_and_the_same_command_continues_bit_for_bi
     args = [*TINY, '--dropout=0.1', '--gradient_accumulation_steps=2', '--eval_interval=2', '--max_iters=8',
             '--init_from=auto']
     code, ref_out, err = run_train([*args, '--out_dir=a'], tmp_path)  # uninterrupted, in this process
-    first = run_hooked([*args, '--out_dir=b'], tmp_path, sig, step)
+    first = run_signalled([*args, '--out_dir=b'], tmp_path, sig, step)
     assert code == 0 and first.returncode == 0, err + first.stderr
     assert stop_lines(first.stdout) == [f"stopped by {sig} at iter {stop_iter}: checkpoint b/ckpt.pt; "
                                         f"continue with the same command and --init_from=auto (or resume)"]
     assert first.stderr == ''
     assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['iter_num'] == stop_iter
-    second = run_cli([*args, '--out_dir=b'], tmp_path)  # the requeued job: the very same command
+    second = run_train_process([*args, '--out_dir=b'], tmp_path)  # the requeued job: the very same command
     assert second.returncode == 0, second.stderr
     assert f"resuming from b/ckpt.pt at iter {stop_iter}" in second.stdout
     rows_a, rows_b = (read_metrics(tmp_path / d / 'metrics.jsonl') for d in 'ab')
@@ -107,8 +74,8 @@ def test_a_signal_stops_after_the_step_and_the_same_command_continues_bit_for_bi
 def test_sigusr1_from_outside_stops_a_running_process_with_exit_0(tmp_path):
     # the signal as a scheduler sends it, to a process that would otherwise run for minutes
     write_data(tmp_path)
-    p = subprocess.Popen([sys.executable, TRAIN, *TINY, '--max_iters=100000', '--eval_interval=100000',
-                          '--log_interval=1', '--out_dir=out'], cwd=tmp_path, text=True,
+    p = subprocess.Popen(train_command([*TINY, '--max_iters=100000', '--eval_interval=100000',
+                                        '--log_interval=1', '--out_dir=out']), cwd=tmp_path, text=True,
                          env=cli_env(PYTHONUNBUFFERED='1'), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         for line in p.stdout:
@@ -133,7 +100,7 @@ def test_ctrl_c_stops_with_one_line_and_a_second_ctrl_c_ends_the_process_at_once
     # line, no KeyboardInterrupt traceback, exit 0, a checkpoint of the iteration it stopped at
     write_data(tmp_path)
     args = [*TINY, '--max_iters=50', '--eval_interval=2', '--out_dir=out']
-    r = run_hooked(args, tmp_path, 'SIGINT', 3)
+    r = run_signalled(args, tmp_path, 'SIGINT', 3)
     assert r.returncode == 0 and r.stderr == '', r.stderr
     assert stop_lines(r.stdout) == ["stopped by SIGINT at iter 4: checkpoint out/ckpt.pt; continue with the "
                                     "same command and --init_from=auto (or resume)"]
@@ -141,7 +108,7 @@ def test_ctrl_c_stops_with_one_line_and_a_second_ctrl_c_ends_the_process_at_once
     assert checkpoint.load(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 4
     # a second Ctrl-C does not wait for the step to end: the process dies of it, and the checkpoint written
     # at the last eval (iter 6 of this resumed run) stays as it was
-    r = run_hooked([*args, '--init_from=resume'], tmp_path, 'SIGINT SIGINT', 3)
+    r = run_signalled([*args, '--init_from=resume'], tmp_path, 'SIGINT SIGINT', 3)
     assert r.returncode == -signal.SIGINT and 'Traceback' not in r.stderr, (r.returncode, r.stderr)
     assert stop_lines(r.stdout) == []
     assert checkpoint.load(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 6
@@ -151,7 +118,7 @@ def test_a_second_signal_during_the_save_leaves_a_checkpoint_that_loads_and_resu
     # the stop save itself receives SIGTERM and SIGUSR1 halfway through writing: it completes, exit 0
     write_data(tmp_path)
     args = [*TINY, '--eval_interval=100', '--max_iters=12', '--out_dir=out', '--init_from=auto']
-    r = run_hooked(args, tmp_path, 'SIGTERM', 3, HOOK_SAVE_SIGNALS='1')
+    r = run_signalled(args, tmp_path, 'SIGTERM', 3, HOOK_SAVE_SIGNALS='1')
     assert r.returncode == 0 and r.stderr == '', r.stderr
     assert len(stop_lines(r.stdout)) == 1 and r.stdout.count('saving checkpoint') == 1
     assert checkpoint.load(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 4
@@ -176,18 +143,15 @@ def test_init_from_auto_starts_from_scratch_then_resumes(tmp_path):
 # a dead or stalled rank under torchrun (2 CPU processes on gloo)
 
 def run_torchrun(tmp_path, args, action, step, hook_rank):
-    """HOOKS under torchrun on 2 processes, rank hook_rank hooked; each rank's stdout and stderr go to files.
-    Returns (exit code, seconds, {rank: stdout}, {rank: stderr}, torchrun's own output)."""
+    """The signals hook under torchrun on 2 processes, rank hook_rank hooked; each rank's stdout and stderr
+    go to files. Returns (exit code, seconds, {rank: stdout}, {rank: stderr}, torchrun's own output)."""
     write_data(tmp_path)
-    (tmp_path / 'hooks.py').write_text(HOOKS)
     t0 = time.time()
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        '--log-dir=logs', '--redirects=3', 'hooks.py', *TINY, *args], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env=cli_env(
-                           REPO=REPO, HOOK_ACTION=action, HOOK_STEP=str(step), HOOK_RANK=str(hook_rank)))
+    r = run_train_process([*TINY, *args], tmp_path, 'signals', nproc=2,
+                          torchrun=['--log-dir=logs', '--redirects=3'],
+                          HOOK_ACTION=action, HOOK_STEP=str(step), HOOK_RANK=str(hook_rank))
     seconds = time.time() - t0
-    if r.returncode != 0 and torchrun_unavailable():
-        pytest.skip(torchrun_unavailable())
+    skip_without_torchrun(r)
     read = lambda name: {int(p.parent.name): p.read_text() for p in (tmp_path / 'logs').glob(f'**/{name}')}
     return r.returncode, seconds, read('stdout.log'), read('stderr.log'), r.stdout + r.stderr
 
@@ -232,14 +196,13 @@ def test_ddp_a_stalled_rank_stops_the_others_after_collective_timeout(tmp_path):
     # seconds, then it exits 1 with one line. Two processes started by hand (torchrun's env:// variables),
     # so the test measures train.py alone: torchrun would then kill the stalled rank 30 s later.
     write_data(tmp_path)
-    (tmp_path / 'hooks.py').write_text(HOOKS)
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     args = [*TINY, '--max_iters=50', '--eval_interval=2', '--out_dir=out', '--collective_timeout=2']
-    procs = [subprocess.Popen([sys.executable, 'hooks.py', *args], cwd=tmp_path, text=True,
+    procs = [subprocess.Popen(train_command(args, 'signals'), cwd=tmp_path, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=cli_env(REPO=REPO, HOOK_ACTION='stall', HOOK_STEP='4', HOOK_RANK='1',
+                              env=cli_env('signals', HOOK_ACTION='stall', HOOK_STEP='4', HOOK_RANK='1',
                                           RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE='2',
                                           MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port)))
              for r in (0, 1)]
@@ -311,7 +274,8 @@ def test_a_failed_save_on_a_stop_signal_exits_non_zero_naming_the_last_good_chec
     # the stop save fails (out_dir's ckpt.pt.tmp path is a folder, so the write cannot even start)
     write_data(tmp_path)
     (tmp_path / 'out' / 'ckpt.pt.tmp').mkdir(parents=True)
-    r = run_hooked([*TINY, '--max_iters=50', '--eval_interval=100', '--out_dir=out'], tmp_path, 'SIGTERM', 2)
+    r = run_signalled([*TINY, '--max_iters=50', '--eval_interval=100', '--out_dir=out'], tmp_path,
+                      'SIGTERM', 2)
     assert_clean_error(r.returncode, r.stderr, 'iter 3: could not save out/ckpt.pt (IsADirectoryError',
                        'no checkpoint yet', 'stopping: stopped by SIGTERM at iter 3')
     assert not (tmp_path / 'out' / 'ckpt.pt').exists()

@@ -1,6 +1,7 @@
 """engine.py and exits.py: the KV-cache policies, what an early exit leaves in every slot, the refill past the
 block size, self-speculative decoding."""
 import copy
+import functools
 import math
 from collections import Counter
 
@@ -11,17 +12,10 @@ from decoding import engine
 from decoding import exits
 from decoding.engine import Decoding, KVCache, decode_step, generate, speculate_round
 from decoding.exits import adaptive_forward, adaptive_step
-from model import GPT, GPTConfig
+from conftest import T, V, tiny_gpt
 from test_sample import run_main  # sample.main in-process: (exit code, stdout, stderr)
 
-V, T = 48, 16
-
-
-def tiny(**kw):
-    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=4, n_head=2, n_embd=16)
-    base.update(kw)
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**base)).eval()
+tiny = functools.partial(tiny_gpt, n_loop=4, training=False)  # K 2, R 4, C 16, in eval mode
 
 
 def prompts(B=3, n=4, seed=1):
@@ -284,8 +278,7 @@ def test_rejected_drafts_leave_nothing_stale_in_the_cache():
 
 def sharp(V=5, R=3):
     """A tiny-vocabulary model whose loops disagree: exit 1's next-token distribution is far from exit R's."""
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_loop=R, n_head=2, n_embd=16, init='gpt2'))
+    m = tiny_gpt(vocab_size=V, n_layer=1, n_loop=R, init='gpt2')
     with torch.no_grad():
         for name, p in m.transformer.h.named_parameters():
             # residual projections at 1/sqrt(2N) of the rest (N = 3), then all 30x: loops that disagree

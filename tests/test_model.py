@@ -12,16 +12,9 @@ from decoding.exits import THRESHOLD_RANGES, adaptive_step
 from compute.hardware import attention_path, auto_dtype, peak_flops
 from compute.kernels import LinearCrossEntropy, attention
 from run.accounting import estimate_mfu, flops_per_token
-from model import GPT, GPTConfig
+from model import GPTConfig
 
-V, T = 48, 16
-
-
-def tiny(**kw):
-    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=3, n_head=2, n_embd=16)
-    base.update(kw)
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**base))
+from conftest import T, V, tiny_gpt as tiny  # K 2, R 3, C 16: conftest.TINY_GPT
 
 
 def batch(B=3, seed=1):

@@ -6,24 +6,20 @@ reuses loop 1's experts, k of E experts of width 4C/k cost what the dense MLP co
 dense model guarantees (exact resume, DDP, cached and self-speculative decoding, one-line errors) holds
 with experts.
 """
+import functools
 import json
 import math
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import save_tiny_checkpoint
+from conftest import (REPO, T, TINY, V, read_metrics, run_train, run_train_process, save_tiny_checkpoint,
+                      skip_without_torchrun, tiny_gpt, write_data)
 from test_engine import logits_of_each_step
-from test_reliability import (assert_clean_error, model_tensors_equal, run_dir, snapshot,  # noqa: F401
-                              torchrun_unavailable)
+from test_reliability import assert_clean_error, model_tensors_equal, run_dir, snapshot  # noqa: F401
 from test_sample import run_main
-from test_train import REPO, TINY, cli_env, read_metrics, run_train, write_data
 
 from compute import kernels
 from configurator import check_model
@@ -31,15 +27,8 @@ from decoding.engine import Decoding, generate
 from run.accounting import active_params, flops_per_token
 from model import GPT, MLP, GPTConfig, MoE, Route, activation, router_losses
 
-V, T = 48, 16
 MOE = dict(n_expert=4, top_k=2)
-
-
-def tiny(**kw):
-    base = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=3, n_head=2, n_embd=32, **MOE)
-    base.update(kw)
-    torch.manual_seed(0)
-    return GPT(check_model(GPTConfig(**base)))
+tiny = functools.partial(tiny_gpt, n_embd=32, **MOE)  # K 2, R 3, C 32, 4 experts, top-2
 
 
 def batch(B=3, seed=1):
@@ -471,47 +460,16 @@ def test_tied_routing_refuses_early_exits_and_self_speculative_decoding(flags, s
                  torch.zeros(1, 2, dtype=torch.long), 2, Decoding(draft_loops=1))
 
 
-DDP_HOOKS = textwrap.dedent('''
-    # train.py under torchrun, every MoE layer's last expert starved (its router logit pushed down by 1e4),
-    # the first step's gradients and the parameters after it recorded
-    import os, runpy, sys
-    import torch
-    sys.path.insert(0, os.environ['REPO'])
-    import model as M
-    rec, init, step = {}, M.MoE.__init__, torch.optim.AdamW.step
-    def starved(self, config):
-        init(self, config)
-        self.router.register_forward_hook(lambda mod, inp, out: out - 1e4 * (torch.arange(out.size(-1)) ==
-                                                                             out.size(-1) - 1))
-    def first_step(self, *a, **k):
-        out = step(self, *a, **k)
-        if 'grads' not in rec:
-            params = [p for g in self.param_groups for p in g['params']]
-            rec['grads'] = [p.grad.clone() for p in params]
-            rec['after'] = [p.detach().clone() for p in params]
-        return out
-    M.MoE.__init__, torch.optim.AdamW.step = starved, first_step
-    sys.argv = ['train.py'] + sys.argv[1:]
-    try:
-        runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
-    finally:
-        torch.save(rec, os.path.join(os.environ['DUMP'], f"rank{os.environ.get('RANK', '0')}.pt"))
-''')
-
-
 def test_a_ddp_step_with_an_expert_that_receives_no_token_succeeds(tmp_path):
     # DDP all-reduces every parameter's gradient: the starved expert's is zeros on both ranks, the step
     # runs, both ranks hold the same weights after it, and the eval's MoE balance is averaged over ranks
+    # (tests/train_hooks.py's starved_expert: every MoE layer's last expert's router logit pushed down by 1e4)
     write_data(tmp_path)
-    (tmp_path / 'hooks.py').write_text(DDP_HOOKS)
     (tmp_path / 'dump').mkdir()
     args = [*MOE_ARGS, '--gradient_accumulation_steps=2', '--max_iters=1', '--eval_interval=1',
             '--out_dir=out']
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        'hooks.py', *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env=cli_env(REPO=REPO, DUMP=str(tmp_path / 'dump')))
-    if r.returncode != 0 and torchrun_unavailable():
-        pytest.skip(torchrun_unavailable())
+    r = run_train_process(args, tmp_path, 'starved_expert', nproc=2, DUMP=str(tmp_path / 'dump'))
+    skip_without_torchrun(r)
     assert r.returncode == 0, r.stderr[-3000:]
     d0, d1 = (torch.load(tmp_path / 'dump' / f'rank{i}.pt', weights_only=True) for i in (0, 1))
     assert all(torch.equal(a, b) for a, b in zip(d0['grads'], d1['grads']))

@@ -6,19 +6,16 @@ first pins that with every piece switched off the model trains exactly as it did
 import json
 import math
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_model import V, T, tiny, batch
-from test_train import REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics
-from test_reliability import assert_clean_error, model_tensors_equal, torchrun_unavailable
+from conftest import (REPO, T, TINY, V, read_metrics, run_train, run_train_process, skip_without_torchrun,
+                      tiny_gpt as tiny, write_data)
+from test_model import batch
+from test_reliability import assert_clean_error, model_tensors_equal
 
 from run import diagnostics
 import eval_depth
@@ -28,7 +25,7 @@ from decoding.exits import score_at_exit, score_threshold
 from run.accounting import flops_per_token
 from model import GPT, GPTConfig, exit_distribution
 
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'golden_metrics.json')
+GOLDEN = os.path.join(REPO, 'tests', 'data', 'golden_metrics.json')
 
 # -----------------------------------------------------------------------------
 # off by default
@@ -43,7 +40,7 @@ def test_the_family_switched_off_trains_exactly_as_before(tmp_path, name, files)
     # rounding (other CPUs may round differently in the last bits).
     write_data(tmp_path)
     files = [os.path.join(REPO, f) for f in files]
-    r = run_cli([*files, '--dataset=tiny', '--device=cpu', '--dtype=float32', '--compile=False',
+    r = run_train_process([*files, '--dataset=tiny', '--device=cpu', '--dtype=float32', '--compile=False',
                  '--max_iters=20', '--eval_interval=10', '--eval_iters=2', '--out_dir=out'], tmp_path)
     assert r.returncode == 0, r.stderr
     rows = read_metrics(tmp_path / 'out' / 'metrics.jsonl')
@@ -245,9 +242,9 @@ def test_resume_with_sampled_depth_is_bit_exact(tmp_path):
     write_data(tmp_path)
     args = [*TINY, '--loop_sampling=poisson_lognormal', '--backprop_loops=1', '--injection=add',
             '--n_prelude=1', '--eval_interval=1']
-    a = run_cli([*args, '--max_iters=6', '--out_dir=a'], tmp_path)
-    b1 = run_cli([*args, '--max_iters=3', '--out_dir=b'], tmp_path)
-    b2 = run_cli(['--init_from=resume', '--max_iters=6', '--out_dir=b'], tmp_path)
+    a = run_train_process([*args, '--max_iters=6', '--out_dir=a'], tmp_path)
+    b1 = run_train_process([*args, '--max_iters=3', '--out_dir=b'], tmp_path)
+    b2 = run_train_process(['--init_from=resume', '--max_iters=6', '--out_dir=b'], tmp_path)
     for r in (a, b1, b2):
         assert r.returncode == 0, r.stderr
     steps = lambda out: [line.split(', lr')[0] for line in out.splitlines() if line.startswith('iter ')]
@@ -260,34 +257,12 @@ def test_resume_with_sampled_depth_is_bit_exact(tmp_path):
     assert model_tensors_equal(ca['model'], cb['model'])
 
 
-DEPTH_HOOK = textwrap.dedent('''
-    # train.py under torchrun, recording every loop count this rank draws (test-only)
-    import json, os, runpy, sys
-    sys.path.insert(0, os.environ['REPO'])
-    import model as M
-    draws, draw = [], M.GPTConfig.draw_n_loop
-    def rec(self, generator):
-        draws.append(draw(self, generator))
-        return draws[-1]
-    M.GPTConfig.draw_n_loop = rec
-    sys.argv = ['train.py'] + sys.argv[1:]
-    try:
-        runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
-    finally:
-        with open(os.path.join(os.environ['DUMP'], 'rank%s.json' % os.environ['RANK']), 'w') as f:
-            json.dump(draws, f)
-''')
-
-
 def test_ddp_ranks_draw_the_same_loop_count_every_step(tmp_path):
+    # tests/train_hooks.py's loop_draws records every loop count each rank draws
     write_data(tmp_path)
-    (tmp_path / 'hook.py').write_text(DEPTH_HOOK)
     args = [*TINY, '--loop_sampling=poisson_lognormal', '--max_iters=8', '--eval_interval=8', '--out_dir=out']
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        'hook.py', *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env=cli_env(REPO=REPO, DUMP=str(tmp_path)))
-    if r.returncode != 0 and torchrun_unavailable():
-        pytest.skip(torchrun_unavailable())
+    r = run_train_process(args, tmp_path, 'loop_draws', nproc=2, DUMP=str(tmp_path))
+    skip_without_torchrun(r)
     assert r.returncode == 0, r.stderr[-3000:]
     d0, d1 = (json.loads((tmp_path / f'rank{i}.json').read_text()) for i in (0, 1))
     assert len(d0) == 8 and d0 == d1 and len(set(d0)) > 1

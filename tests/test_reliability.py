@@ -8,9 +8,7 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,9 +17,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train import (REPO, TRAIN, TINY, write_data, run_train, run_cli, cli_env, read_metrics,
-                        train_defaults)
+from conftest import (REPO, TINY, cli_env, read_metrics, run_train, run_train_process, skip_without_torchrun,
+                      train_command, write_data)
+from test_train import train_defaults
 
 from run import checkpoint
 import configurator
@@ -61,9 +59,9 @@ def test_resume_is_bit_exact_2n_equals_n_plus_n(tmp_path):
     # dropout and gradient accumulation on, so the restored torch RNG and the data-order generator both matter
     write_data(tmp_path)
     common_args = [*TINY, '--dropout=0.1', '--gradient_accumulation_steps=2', '--eval_interval=1']
-    a = run_cli([*common_args, '--max_iters=6', '--out_dir=a'], tmp_path)
-    b1 = run_cli([*common_args, '--max_iters=3', '--out_dir=b'], tmp_path)
-    b2 = run_cli(['--init_from=resume', '--max_iters=6', '--out_dir=b'], tmp_path)
+    a = run_train_process([*common_args, '--max_iters=6', '--out_dir=a'], tmp_path)
+    b1 = run_train_process([*common_args, '--max_iters=3', '--out_dir=b'], tmp_path)
+    b2 = run_train_process(['--init_from=resume', '--max_iters=6', '--out_dir=b'], tmp_path)
     for r in (a, b1, b2):
         assert r.returncode == 0, r.stderr
     drop_time = lambda rows: [{k: v for k, v in r.items() if k != 'time'} for r in rows]
@@ -131,12 +129,12 @@ def test_a_checkpoint_with_a_retired_setting_is_refused_in_one_line(run_dir, cap
 
 def test_print_config_shows_the_resolved_config_and_touches_nothing(tmp_path):
     # no data, no out_dir: only the configurator runs
-    r = run_cli(['config/deeploop.py', '--n_loop=8', '--print_config=True'], REPO)
+    r = run_train_process(['config/deeploop.py', '--n_loop=8', '--print_config=True'], REPO)
     assert r.returncode == 0, r.stderr
     config = json.loads(r.stdout)
     assert config['block'] == 'sandwich' and config['depth_scaling'] == 'deeploop' and config['n_loop'] == 8
     assert config['learning_rate'] == 1e-3 and config['n_layer'] == 2  # train.py's and GPTConfig's defaults
-    r = run_cli(['--print_config=True', '--n_loop=0'], tmp_path)
+    r = run_train_process(['--print_config=True', '--n_loop=0'], tmp_path)
     assert r.returncode == 1 and r.stderr.startswith('error: n_loop=0') and not list(tmp_path.iterdir())
 
 
@@ -215,11 +213,11 @@ def test_kill_9_during_saves_leaves_a_checkpoint_that_loads_and_resumes(tmp_path
     args = ['--n_layer=2', '--n_loop=2', '--n_head=4', '--n_embd=256', '--block_size=16', '--batch_size=2',
             '--eval_iters=1', '--eval_interval=1', '--log_interval=1000', '--device=cpu', '--dataset=tiny',
             '--out_dir=out']
-    r = run_cli([*args, '--max_iters=1'], tmp_path)
+    r = run_train_process([*args, '--max_iters=1'], tmp_path)
     assert r.returncode == 0, r.stderr
     ckpt, rng, iters = tmp_path / 'out' / 'ckpt.pt', random.Random(0), []
     for trial in range(3):
-        p = subprocess.Popen([sys.executable, TRAIN, *args, '--init_from=resume', '--max_iters=100000'],
+        p = subprocess.Popen(train_command([*args, '--init_from=resume', '--max_iters=100000']),
                              cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             before, deadline = files(tmp_path / 'out'), time.time() + 60
@@ -234,7 +232,7 @@ def test_kill_9_during_saves_leaves_a_checkpoint_that_loads_and_resumes(tmp_path
         loaded = checkpoint.load(str(ckpt))  # dies (SystemExit) if the kill had torn the file
         assert all(torch.isfinite(v).all() for v in loaded['model'].values())
         iters.append(loaded['iter_num'])
-    r = run_cli([*args, '--init_from=resume', f'--max_iters={iters[-1] + 1}'], tmp_path)
+    r = run_train_process([*args, '--init_from=resume', f'--max_iters={iters[-1] + 1}'], tmp_path)
     assert r.returncode == 0, r.stderr
     assert torch.load(ckpt, weights_only=True)['iter_num'] == iters[-1] + 1
 
@@ -396,7 +394,7 @@ def test_command_line_error_has_no_traceback(args, run_dir):
     ckpt = run_dir / 'out' / 'ckpt.pt'
     write_file(ckpt, open(ckpt, 'rb').read()[:3000])
     before = snapshot(ckpt)
-    r = run_cli(['--out_dir=out', *args], run_dir)
+    r = run_train_process(['--out_dir=out', *args], run_dir)
     assert_clean_error(r.returncode, r.stderr)
     assert 'Traceback' not in r.stderr and snapshot(ckpt) == before
 
@@ -466,81 +464,15 @@ def test_train_entry_point_with_random_flags_and_files_succeeds_or_fails_cleanly
 # -----------------------------------------------------------------------------
 # distributed parity: torchrun with 2 CPU processes (gloo) against one process on the same global batch
 
-DDP_HOOKS = textwrap.dedent('''
-    # Runs train.py under torchrun with recording hooks (test-only; train.py has no debug switches):
-    # the training micro-batches, the eval exit statistics, the first step's gradients, and every save.
-    import json, os, runpy, sys
-    import torch
-    sys.path.insert(0, os.environ['REPO'])
-    import model as M
-    from run import checkpoint
-    rank, dump = os.environ.get('RANK', '0'), os.environ['DUMP']
-    rec = {'train': [], 'eval': [], 'saves': 0, 'models': []}
-    forward, exit_metrics, init, save, step = (M.GPT.forward, M.GPT.exit_metrics, M.GPT.__init__,
-                                              checkpoint.save, torch.optim.AdamW.step)
-    def rec_forward(self, idx, targets=None, n_loop=None):
-        if self.training and targets is not None:
-            rec['train'].append((idx.clone(), targets.clone()))
-        return forward(self, idx, targets, n_loop)
-    def rec_exit_metrics(self, idx, targets, n_loop=None):
-        ce, norms, router = exit_metrics(self, idx, targets, n_loop)
-        if not self.training:
-            rec['eval'].append((ce.clone(), norms.clone()))
-        return ce, norms, router
-    def rec_init(self, *a, **k):
-        init(self, *a, **k)
-        rec['models'].append(self)
-    def rec_save(obj, path):
-        rec['saves'] += 1
-        return save(obj, path)
-    def rec_step(self, *a, **k):
-        if 'grads' not in rec:
-            m = rec['models'][-1]
-            rec['grads'] = {n: p.grad.clone() for n, p in m.named_parameters()}
-            rec['params'] = {n: p.detach().clone() for n, p in m.named_parameters()}
-            rec['first_eval'] = list(rec['eval'])
-        return step(self, *a, **k)
-    M.GPT.forward, M.GPT.exit_metrics, M.GPT.__init__ = rec_forward, rec_exit_metrics, rec_init
-    checkpoint.save, torch.optim.AdamW.step = rec_save, rec_step
-    sys.argv = ['train.py'] + sys.argv[1:]
-    try:
-        runpy.run_path(os.path.join(os.environ['REPO'], 'train.py'), run_name='__main__')
-    finally:
-        torch.save({k: rec.get(k) for k in ('train', 'grads', 'params', 'first_eval', 'saves')},
-                   os.path.join(dump, f'rank{rank}.pt'))
-''')
-
-
-def torchrun_unavailable():
-    """None if torchrun can start 2 gloo processes here, else the reason"""
-    probe = ('import torch.distributed as d; d.init_process_group("gloo"); d.barrier(); '
-             'd.destroy_process_group()')
-    try:
-        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                            '--nproc_per_node=2', '--no-python', sys.executable, '-c', probe],
-                           capture_output=True, text=True, timeout=120, env=cli_env())
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"torchrun could not start: {e}"
-    if r.returncode == 0:
-        return None
-    return f"torchrun could not start 2 gloo processes: {r.stderr.strip()[-300:]}"
-
-
 def test_ddp_two_cpu_processes_match_one_process_on_the_same_global_batch(tmp_path):
+    # tests/train_hooks.py's ddp_parity records each rank's micro-batches, eval statistics, first gradients
     write_data(tmp_path)
-    (tmp_path / 'hooks.py').write_text(DDP_HOOKS)
     (tmp_path / 'dump').mkdir()
     # 4 micro-batches per step in total: 2 per rank. eval_iters=3 batches per split per rank.
     args = [*TINY, '--gradient_accumulation_steps=4', '--grad_clip=0', '--eval_iters=3', '--max_iters=2',
             '--eval_interval=2', '--out_dir=out']
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        'hooks.py', *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env=cli_env(REPO=REPO, DUMP=str(tmp_path / 'dump')))
-    if r.returncode != 0:
-        reason = torchrun_unavailable()
-        if reason:
-            print(reason)
-            pytest.skip(reason)
+    r = run_train_process(args, tmp_path, 'ddp_parity', nproc=2, DUMP=str(tmp_path / 'dump'))
+    skip_without_torchrun(r)
     assert r.returncode == 0, r.stderr[-3000:]
     d0, d1 = (torch.load(tmp_path / 'dump' / f'rank{i}.pt', weights_only=True) for i in (0, 1))
 
@@ -585,11 +517,8 @@ def test_torchrun_runs_for_any_process_count_and_rounds_the_global_batch_up(tmp_
     write_data(tmp_path)
     args = [*TINY, f'--gradient_accumulation_steps={accum}', '--max_iters=2', '--eval_interval=2',
             '--out_dir=out']
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                        f'--nproc_per_node={nproc}', TRAIN, *args], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, env=cli_env())
-    if r.returncode != 0 and torchrun_unavailable():
-        pytest.skip(torchrun_unavailable())
+    r = run_train_process(args, tmp_path, nproc=nproc)
+    skip_without_torchrun(r)
     assert r.returncode == 0, r.stderr[-3000:]
     per_rank = -(-accum // nproc)
     assert (f"rounded up to {per_rank * nproc}" in r.stdout) == (per_rank * nproc != accum)

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train import REPO, TINY, TRAIN, read_metrics, run_train, write_data
+from conftest import REPO, TINY, cli_env, read_metrics, run_train, train_command, write_data
 from test_reliability import assert_clean_error
 
 from run import checkpoint
@@ -172,8 +171,8 @@ def test_a_retrofit_stopped_mid_curriculum_resumes_bit_exact(tmp_path):
             '--max_iters=300', '--eval_interval=100', '--log_interval=1']
     code, out_a, err = run_train([*args, '--out_dir=a'], tmp_path)
     assert code == 0, err
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')  # each line as it is printed
-    p = subprocess.Popen([sys.executable, TRAIN, *args, '--out_dir=b'], cwd=tmp_path, env=env,
+    env = cli_env(PYTHONUNBUFFERED='1')  # each line as it is printed
+    p = subprocess.Popen(train_command([*args, '--out_dir=b']), cwd=tmp_path, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
         if line.startswith('iter 20:'):
@@ -196,8 +195,7 @@ def test_a_retrofit_stopped_mid_curriculum_resumes_bit_exact(tmp_path):
 # -----------------------------------------------------------------------------
 # the laptop sweep (lab/ablate.py retrofit): equal FLOPs, and verdicts by the one rule
 
-sys.path.insert(0, os.path.join(REPO, 'lab'))
-import retrofit_sweep as sweep
+import retrofit_sweep as sweep  # lab/retrofit_sweep.py (lab/ is on sys.path: conftest)
 
 
 @pytest.fixture(scope='module')

@@ -6,118 +6,22 @@ Most runs here execute train.py in this process (runpy), which is fast and sees 
 line would: a clean error is a SystemExit(1) with one line on stderr, anything else would be a traceback.
 A few tests start real subprocesses to pin the command line itself.
 """
-import atexit
-import contextlib
 import functools
 import glob
-import io
 import json
 import os
-import runpy
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-TRAIN = os.path.join(REPO, 'train.py')
-
-# a model small enough to train a few steps in well under a second
-TINY = ['--n_layer=1', '--n_loop=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=4',
-        '--eval_iters=2', '--device=cpu', '--dtype=float32', '--compile=False',
-        '--gradient_accumulation_steps=1', '--log_interval=1', '--dataset=tiny']
-
-TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
-        "It is the east, and Juliet is the sun.\n\n"
-        "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\n"
-        "Deny thy father and refuse thy name.\n\n")
-
-
-def write_data(root, name='tiny', n_chars=6000, val_chars=800):
-    """A char-level dataset in prepare.py's format under root/data/name; returns the folder."""
-    text = (TEXT * (n_chars // len(TEXT) + 1))[:n_chars + val_chars]
-    itos = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(itos)}
-    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
-    folder = os.path.join(str(root), 'data', name)
-    os.makedirs(folder, exist_ok=True)
-    ids[:n_chars].tofile(os.path.join(folder, 'train.bin'))
-    ids[n_chars:].tofile(os.path.join(folder, 'val.bin'))
-    meta = dict(dataset=name, tokenizer='char', vocab_size=len(itos), dtype='uint16', train_tokens=n_chars,
-                val_tokens=val_chars, itos=itos)
-    with open(os.path.join(folder, 'meta.json'), 'w', encoding='utf-8') as f:
-        json.dump(meta, f)
-    return folder
-
-
-def run_train(args, cwd):
-    """train.py in this process with these arguments, from folder cwd. Returns (exit code, stdout, stderr).
-    A clean error is SystemExit(1); any other exception propagates (it would be a traceback on the CLI)."""
-    out, err = io.StringIO(), io.StringIO()
-    old_argv, old_cwd, old_threads = sys.argv, os.getcwd(), torch.get_num_threads()
-    old_omp = os.environ.get('OMP_NUM_THREADS')
-    # train.py sets these handlers
-    old_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    sys.argv = ['train.py', *args]
-    code, at_exit, register = 0, [], atexit.register
-
-    def register_here(f, *a, **kw):
-        # train.py's own exit handler runs when this run ends, as at the end of its process; left
-        # registered, it would keep every run's globals (model, optimizer, data) alive to the suite's end
-        if getattr(f, '__code__', None) and f.__code__.co_filename == TRAIN:
-            at_exit.append(functools.partial(f, *a, **kw))
-            return f
-        return register(f, *a, **kw)
-    atexit.register = register_here
-    try:
-        os.chdir(cwd)
-        # tiny models: one thread is fastest, and the suite shares 2 cores
-        os.environ['OMP_NUM_THREADS'] = '1'
-        torch.set_num_threads(1)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(TRAIN, run_name='__main__')
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        atexit.register = register
-        for f in at_exit:
-            f()
-        sys.argv = old_argv
-        os.chdir(old_cwd)
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
-        torch.set_num_threads(old_threads)
-        torch.set_flush_denormal(False)  # train.py counts denormals as zero (hardware.flush_denormals)
-        if old_omp is None:
-            os.environ.pop('OMP_NUM_THREADS', None)
-        else:
-            os.environ['OMP_NUM_THREADS'] = old_omp
-    return code, out.getvalue(), err.getvalue()
-
-
-def run_cli(args, cwd, timeout=120):
-    """train.py as a real subprocess."""
-    return subprocess.run([sys.executable, TRAIN, *args], cwd=str(cwd), capture_output=True, text=True,
-                          timeout=timeout, env=cli_env())
-
-
-def cli_env(**extra):
-    return dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=REPO, **extra)
-
-
-def read_metrics(path):
-    with open(path, encoding='utf-8') as f:
-        return [json.loads(line) for line in f]
+from conftest import REPO, TEXT, TINY, read_metrics, run_train, run_train_process, write_data
 
 
 @functools.lru_cache(maxsize=1)
 def train_defaults():
     """Every config key with its default, as train.py itself resolves them (its globals + GPTConfig)."""
-    r = run_cli(['--print_config=True'], REPO)
+    r = run_train_process(['--print_config=True'], REPO)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -125,9 +29,9 @@ def train_defaults():
 # -----------------------------------------------------------------------------
 
 def test_train_runs_end_to_end_writes_checkpoint_and_resumes(tmp_path):
-    # the real command line: a few iterations, a checkpoint in the SPEC format, then a resume that continues
+    # the real command line: a few iterations, a checkpoint in train.py's format, then a resume that continues
     write_data(tmp_path)
-    r = run_cli([*TINY, '--max_iters=4', '--eval_interval=2', '--out_dir=out'], tmp_path)
+    r = run_train_process([*TINY, '--max_iters=4', '--eval_interval=2', '--out_dir=out'], tmp_path)
     assert r.returncode == 0, r.stderr
     assert 'step 4:' in r.stdout and 'saving checkpoint' in r.stdout
     ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
@@ -136,7 +40,8 @@ def test_train_runs_end_to_end_writes_checkpoint_and_resumes(tmp_path):
         assert key in ckpt, key
     assert ckpt['iter_num'] == 4 and ckpt['dataset'] == 'tiny' and ckpt['world_size'] == 1
     assert not any(k.startswith(('_orig_mod.', 'module.')) for k in ckpt['model'])
-    r = run_cli(['--init_from=resume', '--out_dir=out', '--max_iters=6', '--eval_interval=2'], tmp_path)
+    r = run_train_process(['--init_from=resume', '--out_dir=out', '--max_iters=6', '--eval_interval=2'],
+                          tmp_path)
     assert r.returncode == 0, r.stderr
     assert 'resuming from' in r.stdout and 'iter 4:' in r.stdout and 'step 6:' in r.stdout
     assert "max_iters 4 -> 6" in r.stdout  # a schedule change is allowed and printed
@@ -216,7 +121,8 @@ def help_line(out, key):
 
 @pytest.mark.parametrize('flag', ['--help', '-h'])
 def test_help_lists_every_key_with_its_default_and_comment_grouped_as_in_the_files(flag, tmp_path):
-    r = run_cli([flag], tmp_path)  # a folder without data: --help exits before any data or model work
+    # a folder without data: --help exits before any data or model work
+    r = run_train_process([flag], tmp_path)
     assert r.returncode == 0 and 'error' not in r.stderr, r.stderr
     out = r.stdout
     assert out.startswith('usage: python train.py ') and os.listdir(tmp_path) == []
@@ -369,14 +275,7 @@ def test_a_train_py_process_counts_denormals_as_zero(tmp_path, can_flush):
     # underflowing early-exit softmax made a CPU step ~20x slower with denormals on
     write_data(tmp_path)
     args = [*TINY, '--max_iters=1', '--eval_interval=1', '--out_dir=out']
-    code = ("import atexit, runpy, sys, torch\n"
-            f"sys.argv = ['train.py', *{args!r}]\n"
-            "x = torch.tensor([1e-20])\n"
-            "assert (x * x).item() > 0  # on before train.py\n"
-            "atexit.register(lambda: print('after train.py: 1e-20 ** 2 =', (x * x).item()))\n"
-            f"runpy.run_path({TRAIN!r}, run_name='__main__')\n")
-    r = subprocess.run([sys.executable, '-c', code], cwd=str(tmp_path), capture_output=True, text=True,
-                       timeout=120, env=cli_env())
+    r = run_train_process(args, tmp_path, hook='denormals_at_exit')
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[-1] == 'after train.py: 1e-20 ** 2 = 0.0', r.stdout[-2000:]
 

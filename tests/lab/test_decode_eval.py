@@ -2,6 +2,7 @@
 lab/decode_eval.py: teacher-forced decoding through the KV cache against the model's own full-sequence CE,
 the report against its JSON, and one-line errors.
 """
+import functools
 import json
 import math
 import re
@@ -10,19 +11,14 @@ import pytest
 import torch
 
 import decode_eval as de
-from conftest import save_tiny_checkpoint
+from conftest import save_tiny_checkpoint, tiny_gpt
 from decoding.exits import KV_POLICIES
-from model import GPT, GPTConfig
 
 R, BS = 3, 16
 KINDS = [dict(), dict(readout='raw'), dict(n_prelude=1, n_coda=1, injection='add', pos='rope')]
 
 
-def tiny(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(block_size=BS, vocab_size=11, n_layer=1, n_loop=R, n_head=2, n_embd=16)
-    cfg.update(kw)
-    return GPT(GPTConfig(**cfg)).eval()
+tiny = functools.partial(tiny_gpt, block_size=BS, vocab_size=11, n_layer=1, n_loop=R, training=False)
 
 
 def windows(B=3, T=BS, V=11, seed=1):

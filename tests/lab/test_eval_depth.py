@@ -2,6 +2,7 @@
 lab/eval_depth.py and diagnostics.py: every diagnostic on a tiny model with a known answer
 (docs/papers.md §1).
 """
+import functools
 import json
 import math
 
@@ -11,14 +12,10 @@ import torch
 
 from run import diagnostics
 import eval_depth as ed
-from model import GPT, GPTConfig
+from conftest import tiny_gpt
 
 
-def tiny(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(block_size=16, vocab_size=11, n_layer=1, n_loop=3, n_head=2, n_embd=16)
-    cfg.update(kw)
-    return GPT(GPTConfig(**cfg)).eval()
+tiny = functools.partial(tiny_gpt, vocab_size=11, n_layer=1, training=False)  # K 1, R 3, C 16, context 16
 
 
 def batch(B=6, T=16, V=11, seed=1):

@@ -20,10 +20,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from run import checkpoint  # noqa: E402
 import harness  # noqa: E402
-from conftest import save_tiny_checkpoint, tiny_text  # noqa: E402
+from conftest import REPO, save_tiny_checkpoint, tiny_text  # noqa: E402
 from decoding.engine import Decoding, generate  # noqa: E402
 
-from conftest import REPO
 TASKS = REPO / 'tests' / 'data' / 'harness'
 DOCS = [json.loads(line) for line in (TASKS / 'tiny_shakespeare.jsonl').read_text('utf-8').splitlines()]
 DEPTHS = (1, 2, 3)  # R = 2 trained; 3 extrapolates
@@ -178,14 +177,15 @@ def test_local_task_through_lm_evals_entry_point(out, lm, monkeypatch):
         assert res['results']['tiny_shakespeare']['acc,none'] == pytest.approx(right / len(DOCS))
 
 
-def run_cli(*args):
+def run_harness_cli(*args):
+    """lab/harness.py as a real process, from the repo root."""
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, str(REPO / 'lab' / 'harness.py'), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
 def test_cli_prints_the_table_per_depth_and_writes_lm_evals_json(out, tmp_path):
-    r = run_cli(str(out), f'--include_path={TASKS}', '--tasks=tiny_shakespeare', '--n_loop=1,3',
+    r = run_harness_cli(str(out), f'--include_path={TASKS}', '--tasks=tiny_shakespeare', '--n_loop=1,3',
                 f'--output_path={tmp_path}', '--device=cpu', '--batch_size=4')
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()

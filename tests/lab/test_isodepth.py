@@ -4,7 +4,6 @@ lab/isodepth_fit.py, which is tested on losses drawn from the law with a known p
 real runs. Fits here use fewer starts and resamples than the command's defaults, to run in seconds.
 """
 import csv
-import conftest
 import functools
 import json
 import math
@@ -17,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_model import V, T, batch, tiny
+from conftest import REPO, T, V, tiny_gpt as tiny
+from test_model import batch
 from test_reliability import assert_clean_error
 
 import isodepth
@@ -600,9 +600,6 @@ def committed():
         return json.load(f)
 
 
-REPO = str(conftest.REPO)
-
-
 def test_the_committed_baseline_rejects_phi_1_by_the_likelihood_ratio_its_csv_gives():
     # the report's numbers are the --fit of its table: the least-squares fits behind the likelihood ratio
     # find the same optima from 30 starts as from 500 (the bootstrap is left out here, to run in seconds)
@@ -773,7 +770,7 @@ def test_the_grouped_verdicts_are_the_rules_on_the_grouped_cis():
 def test_grouped_compares_only_the_case_studies_a_sweep_trained(tmp_path):
     # a --case=baseline,truncated sweep writes hyper's table too, holding the shared r = 1 runs alone:
     # --grouped compares truncated with the baseline and leaves hyper out, not fitted to r = 1 runs
-    root = str(conftest.REPO)
+    root = REPO
     for case in ('baseline', 'truncated'):
         shutil.copy(os.path.join(root, 'assets', f'isodepth_{case}.csv'), tmp_path)
     with open(os.path.join(root, 'assets', 'isodepth_hyper.csv'), newline='', encoding='utf-8') as f:

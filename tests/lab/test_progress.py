@@ -15,6 +15,7 @@ import bench_train
 from run import diagnostics
 import eval_depth as ed
 from compute import hardware
+from conftest import tiny_gpt
 
 QUICK = ['--n_seqs=12', '--batch_size=4', '--timing_repeats=1', '--n_grad_seqs=6']
 TIMED = ('seconds', 'throughput')  # wall times: the only keys that may differ between two runs
@@ -41,9 +42,7 @@ def test_eval_depth_shows_every_phase_and_progress_does_not_change_the_results(t
 
 
 def test_radial_gradient_batch_by_batch_is_the_same_numbers():
-    torch.manual_seed(0)
-    from model import GPT, GPTConfig
-    model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_loop=3, n_head=2, n_embd=16)).eval()
+    model = tiny_gpt(0, training=False, vocab_size=11, n_layer=1)  # K 1, R 3, C 16, context 16
     X, Y = torch.randint(11, (7, 16)), torch.randint(11, (7, 16))
     with ed.progress_bar('test', 3, show=False) as bar:
         assert ed.grad_fractions(model, X, Y, 3, bar) == diagnostics.radial_gradient(model, X, Y, 3)

@@ -129,7 +129,8 @@ def test_divergence_reports_every_layer_and_loop_pair_as_json():
 
 # ------------------------------------------------------------ the command line on a checkpoint
 
-def run_cli(out, data, capsys, *flags):
+def routing_cli_error(out, data, capsys, *flags):
+    """lab/routing.py's main in this process on checkpoint folder out, which must fail: its one error line."""
     with pytest.raises(SystemExit) as e:
         rt.main([str(out), '--data_dir', str(data), '--device=cpu', *flags])
     err = capsys.readouterr().err
@@ -138,11 +139,11 @@ def run_cli(out, data, capsys, *flags):
 
 
 def test_cli_refuses_a_dense_checkpoint_in_one_line(tiny_ckpt, tiny_data, capsys):
-    assert 'has no experts: n_expert = 0' in run_cli(tiny_ckpt, tiny_data, capsys)
+    assert 'has no experts: n_expert = 0' in routing_cli_error(tiny_ckpt, tiny_data, capsys)
 
 
 def test_cli_names_a_missing_checkpoint_in_one_line(tmp_path, tiny_data, capsys):
-    err = run_cli(tmp_path / 'out-nowhere', tiny_data, capsys)
+    err = routing_cli_error(tmp_path / 'out-nowhere', tiny_data, capsys)
     assert 'out-nowhere' in err and 'python lab/routing.py OUT_DIR' in err
 
 
