@@ -186,6 +186,25 @@ def test_dtype_auto_says_what_it_chose_and_why(tmp_path):
     code, out, err = run_train([*args, '--dtype=float32', '--out_dir=out32'], tmp_path)
     assert code == 0 and "device: cpu, 1 threads, float32, 1 process(es)" in out
 
+    code, out, err = run_train([*args, '--dtype=float16', '--out_dir=out16'], tmp_path)
+    assert code == 0 and "float16 (warning: float16 is far slower than float32 or bfloat16 on a CPU" in out
+
+
+def test_max_iters_0_saves_the_model_as_built_and_says_where(tmp_path):
+    # a conversion: init_from's model (here a run of ours, retrofitted with a prelude) saved without training
+    write_data(tmp_path)
+    code, out, err = run_train([*TINY, '--n_layer=2', '--n_loop=1', '--max_iters=2', '--eval_interval=2',
+                                '--out_dir=src'], tmp_path)
+    assert code == 0, err
+    code, out, err = run_train([*TINY, '--max_iters=0', '--init_from=src', '--n_prelude=1', '--out_dir=conv'],
+                               tmp_path)
+    assert code == 0, err
+    ckpt = torch.load(tmp_path / 'conv' / 'ckpt.pt', weights_only=False)
+    src = torch.load(tmp_path / 'src' / 'ckpt.pt', weights_only=False)
+    assert ckpt['iter_num'] == 0 and f"checkpoint {os.path.join('conv', 'ckpt.pt')}" in out
+    for part, j in (('prelude', 0), ('h', 1)):  # source layers 0 | 1 as prelude | loop, unchanged
+        assert torch.equal(ckpt['model'][f'transformer.{part}.0.attn.c_attn.weight'],
+                           src['model'][f'transformer.h.{j}.attn.c_attn.weight'])
 
 def test_per_loop_rmsnorm_default_shows_growing_loop_norms(tmp_path):
     # the embedded default is paper 1's blind-spot setting (per-loop CE, RMSNorm readout, reference init);
