@@ -13,6 +13,8 @@ meta (what its tokens mean) and name. checkpoint.resume calls retrofit() for tra
 """
 import contextlib
 import os
+import socket
+import urllib.parse
 
 from configurator import die, first_line, gpt_config, model_keys
 from model import GPT
@@ -31,7 +33,8 @@ def gpt2_source(name):
     with hf_imports(name) as transformers:
         transformers.utils.logging.disable_progress_bar()  # stderr is for errors: one line each
         try:
-            hf = transformers.GPT2LMHeadModel.from_pretrained(name)
+            local = not os.path.isdir(name) and not hub_reachable()  # no ~45 s of retries offline
+            hf = transformers.GPT2LMHeadModel.from_pretrained(name, local_files_only=local)
         except (OSError, ValueError) as e:  # no network, no such model, a folder of something else
             die(f"init_from={name!r}: transformers could not load it ({first_line(e)}); offline, point "
                 f"init_from at a folder that GPT2LMHeadModel.save_pretrained wrote")
@@ -57,6 +60,18 @@ def gpt2_source(name):
             'transformer.ln_out.bias': sd['transformer.ln_f.bias']}
     return dict(args=args, blocks=blocks, rest=rest, meta={'tokenizer': 'gpt2'}, name=name,
                 dataset='openwebtext')  # WebText's open replica
+
+
+def hub_reachable(timeout=3):
+    # the Hugging Face hub answers a connection within `timeout` seconds (and HF_HUB_OFFLINE is not set)
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.create_connection((urllib.parse.urlparse(constants.ENDPOINT).hostname, 443), timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
