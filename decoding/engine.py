@@ -11,7 +11,7 @@ knows nothing of this file: it asks the cache for a visit's slot (cache.slot) an
 """
 import copy
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.nn import functional as F
@@ -37,6 +37,18 @@ class Decoding:
     batch_size: int = 1           # serve: rows in flight (continuous depth batching, batching.py)
     use_cache: bool = True        # False: recompute the window at every token (the reference)
     compile: bool = False         # serve: its step compiled as one graph (batching.compiled)
+
+    @classmethod
+    def from_flags(cls, flags, explicit=()):
+        """The options of sample.py's flags (a dict holding them): a flag's "off" value (-1 for exit_threshold,
+        0 for top_k, n_loop and kv_slots) is None here, and speculate counts only where given (explicit)."""
+        opts = {f.name: flags[f.name] for f in fields(cls) if f.name in flags}
+        for key, off in dict(top_k=0, n_loop=0, exit_threshold=-1, kv_slots=0).items():
+            if opts.get(key) == off:
+                opts[key] = None
+        if 'speculate' not in explicit:  # the flag's default 4 is not a choice: why_not tells them apart
+            opts['speculate'] = None
+        return cls(**opts)
 
     def why_not(self, cfg, loose=False):
         """Why these options cannot decode a model of config cfg, in sample.py's flags, or None. loose (a
