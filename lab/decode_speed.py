@@ -2,7 +2,8 @@
 Batch-1 decoding speed of engine.generate, per token: fixed depth and adaptive exit, on a randomly initialised
 model, for one or more source trees (this one, or a checkout of an older commit) taking turns round by round.
 Each (tree, round) runs in a fresh process; the per-token time is the slope between two generation lengths
-(the prefill and the call's overhead cancel), the median of --repeats calls each; rounds then give medians.
+(the prefill and the call's overhead cancel), the median of --repeats calls each; rounds then give medians,
+and each tree's ratio to the first tree's, paired by round. Greedy tokens: every tree decodes the same text.
 
     python lab/decode_speed.py                                       # this tree, d 512, 3 rounds
     python lab/decode_speed.py --trees=/tmp/old,. --rounds=5         # a commit against this tree, interleaved
@@ -33,7 +34,7 @@ def measure(args):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=args.n_layer, n_loop=args.n_loop, n_head=args.n_head, n_embd=args.n_embd,
                           block_size=args.block_size, vocab_size=args.vocab_size,
-                          init='gpt2')).eval()  # the reference init's N(0, 1) wte: every token exits at loop 1
+                          init='gpt2')).eval()  # (the reference init's N(0, 1) wte: all exit at loop 1)
     prompt = torch.randint(args.vocab_size, (1, args.prompt_len))
     paths = dict(fixed={}, adaptive=dict(exit_threshold=args.exit_threshold, kv_policy=args.kv_policy))
 
@@ -59,7 +60,8 @@ def measure(args):
 
 def main(argv=None):
     sys.path.insert(0, ROOT)
-    from configurator import Parser  # here, not above: a child imports the model of its own tree
+    from configurator import Parser, die  # here, not above: a child imports the model of its own tree
+    from bench import cpu_name
     ap = Parser('lab/decode_speed.py', __doc__)
     ap.add_argument('--trees', default=ROOT, help='source trees to time, comma-separated (default: this one)')
     ap.add_argument('--rounds', type=int, default=3, help='rounds; each times every tree once, in turn')
@@ -80,17 +82,24 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.lengths = [int(n) for n in args.lengths.split(',')]
     trees = [os.path.abspath(t) for t in args.trees.split(',')]
+    if missing := [t for t in trees if not os.path.isfile(os.path.join(t, 'model.py'))]:
+        die(f"--trees: {missing[0]} is no source tree (it holds no model.py)")
     rows = {t: [] for t in trees}
     for _ in range(args.rounds):
         for t in trees:
             child = [sys.executable, os.path.abspath(__file__), '--child', t, json.dumps(vars(args))]
-            out = subprocess.run(child, capture_output=True, text=True, check=True, cwd=t).stdout
-            rows[t].append(json.loads(out.splitlines()[-1]))
-    print(f"batch 1, d {args.n_embd}, K {args.n_layer} x R {args.n_loop}, {args.threads} thread(s), "
-          f"ms/token (median of {args.rounds} rounds; rounds in brackets)")
+            r = subprocess.run(child, capture_output=True, text=True, cwd=t)
+            if r.returncode:
+                die(f"--trees {t}: {(r.stderr.strip().splitlines() or [f'exit code {r.returncode}'])[-1]}")
+            rows[t].append(json.loads(r.stdout.splitlines()[-1]))
+    print(f"batch 1, d {args.n_embd}, K {args.n_layer} x R {args.n_loop}, {cpu_name()}, {args.threads} "
+          f"thread(s), {args.timer} time: ms/token, median of {args.rounds} rounds [each], x the first tree")
     for t, rs in rows.items():
-        cells = [f"{name} {statistics.median(r[name] for r in rs):.3f} "
-                 f"[{', '.join(f'{r[name]:.2f}' for r in rs)}]" for name in ('fixed', 'adaptive')]
+        cells = []
+        for name in ('fixed', 'adaptive'):
+            ratio = statistics.median(r[name] / f[name] for r, f in zip(rs, rows[trees[0]]))  # by round
+            each = ', '.join(f'{r[name]:.2f}' for r in rs)
+            cells.append(f"{name} {statistics.median(r[name] for r in rs):.3f} [{each}] x{ratio:.3f}")
         print(f"{t}: {'; '.join(cells)}; adaptive loops/token {rs[0]['adaptive loops']:.2f} of {args.n_loop}")
     return rows
 
