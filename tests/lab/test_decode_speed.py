@@ -1,4 +1,4 @@
-"""lab/decode_speed.py: batch-1 decoding's ms/token per tree, fixed depth and adaptive exit, at a tiny size."""
+"""lab/decode_speed.py: batch-1 decoding's ms/token per tree, fixed depth and adaptive exit, tiny sizes."""
 import subprocess
 import sys
 
