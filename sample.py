@@ -11,15 +11,13 @@ Sample from a trained looped GPT, as nanoGPT's sample.py does. Flags are --key=v
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
 
 import torch
 
-from run import checkpoint
-import configurator
+from run import checkpoint, ops
 from decoding.batching import serve
 from decoding.engine import Decoding, generate
-from configurator import die, pick_device
+from configurator import TRAIN_CHOICES, check_flags, configure, die, pick_device
 from decoding.exits import EXIT_POLICIES, KV_POLICIES
 from prepare import checkpoint_meta, get_tokenizer
 
@@ -42,48 +40,44 @@ meta = ''                    # a meta.json (or its folder); '' = data/<dataset>/
 prompts = ''                 # a file of prompts, one a line (blank lines skipped), each decoded once
 batch_size = 1               # rows in flight (continuous depth batching, batching.py); 1 = one at a time
 compile = False              # decode through batching.py's step compiled as one graph (torch.compile)
+dtype = 'auto'               # float32 | bfloat16 | float16 | auto: train.py's rule (hardware.auto_dtype)
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, str))]
 defaults = {k: globals()[k] for k in config_keys}  # main() starts every call from these
 
 
 def main(argv=None):
-    config, explicit = configurator.configure(defaults, sys.argv[1:] if argv is None else argv, __file__)
+    config, explicit = configure(defaults, sys.argv[1:] if argv is None else argv, __file__)
     globals().update(config)  # the flags, as nanoGPT's configurator sets them
-    configurator.check_flags(config, dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=0,
-                                          kv_slots=0, draft_loops=0, speculate=1, batch_size=1),
-                             dict(exit_policy=EXIT_POLICIES, kv_policy=KV_POLICIES))  # before the slow load
+    check_flags(config, dict(num_samples=1, max_new_tokens=0, temperature=0, top_k=0, n_loop=0, kv_slots=0,
+                             draft_loops=0, speculate=1, batch_size=1),  # before the slow load
+                dict(exit_policy=EXIT_POLICIES, kv_policy=KV_POLICIES, dtype=TRAIN_CHOICES['dtype']))
     if prompts and {'start', 'num_samples'} & explicit:
         die("--prompts decodes each line of its file once: drop --start and --num_samples")
     text, flag = read_prompts()  # before the (slow) checkpoint load: a typo in a path fails at once
     dev, device_type = pick_device(device)
     torch.manual_seed(seed)  # every device's generator
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    ptdtype = torch.bfloat16 if device_type == 'cuda' and torch.cuda.is_bf16_supported() else torch.float16
-    ctx = torch.autocast(device_type=device_type, dtype=ptdtype) if device_type == 'cuda' else nullcontext()
-    ckpt_path = checkpoint.path_of(out_dir)
-    ckpt = checkpoint.load(ckpt_path)  # on the CPU: the weights go to the device with the model
+    ctx, words = precision(dtype, device_type)
+    ckpt = checkpoint.load(ckpt_path := checkpoint.path_of(out_dir))  # on the CPU: .to(dev) moves the model
     encode, decode = get_tokenizer(checkpoint_meta(meta, ckpt, ckpt_path))
     try:
         rows = [encode(t) for t in text.splitlines() if t] if prompts else [encode(text)] * num_samples
     except ValueError as e:
         die(f"--{flag}: {e}")
-    if not all(rows):
-        die(f"--{flag}: the prompt is empty (give some text, e.g. --start='\\n')")
+    if not rows or not all(rows):  # (a prompt of no tokens, or a file of blank lines)
+        die(f"--{flag}: the prompt is empty (give some text, e.g. --start='\\n')" if rows else
+            f"--prompts {prompts}: no prompt in the file (one a line, blank lines skipped)")
     model = checkpoint.build_model(ckpt).eval().to(dev)  # the optimizer state is not needed to sample
-    opts = Decoding(temperature, top_k or None, n_loop or None, None if exit_threshold == -1 else
-                    exit_threshold, exit_policy, kv_policy, kv_slots or None, draft_loops,
-                    speculate if 'speculate' in explicit else None, batch_size, compile=compile)
+    opts = Decoding.from_flags(config, explicit)
     if why := opts.why_not(model.config):
         die(why)
     R = opts.n_loop or model.config.n_loop
     print(f"sampling {len(rows)} x {max_new_tokens} tokens, {mode(opts, R)}, trained with "
-          f"n_loop={model.config.n_loop}, {dev}")
+          f"n_loop={model.config.n_loop}, {dev}, {words}")
     t0 = time.time()
     with torch.no_grad(), ctx:
         outs, used, stats = decode_rows(model, rows, opts, dev)
     seconds = time.time() - t0
-    for out in outs:
-        print(decode(out) + '\n---------------')
+    print(''.join(decode(out) + '\n---------------\n' for out in outs), end='')
     print(summary(torch.tensor([k for u in used for k in u], dtype=torch.float), seconds, R, opts, stats))
 
 
@@ -96,34 +90,41 @@ def read_prompts():  # the text of --prompts or --start (FILE:path reads a file)
         die(f"--{flag} {prompts or start}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
 
 
-def mode(opts, R):  # the decoding in words, for the header line
-    words = f"adaptive exit ({exit_policy} >= {exit_threshold}, at most {R} loops)" if opts.exit_threshold \
+def precision(dtype, device_type):
+    # --dtype by train.py's rule (ops.resolve_dtype): autocast in bf16 or fp16, none at float32; and in words
+    dtype, note = ops.resolve_dtype(dtype, device_type)
+    if device_type == 'cuda' and dtype != 'float32':  # tf32 matmuls, unless float32 was asked for
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != 'float32'), dtype + note
+
+
+def mode(o, R):  # the decoding options o in words, for the header line
+    words = f"adaptive exit ({o.exit_policy} >= {o.exit_threshold}, at most {R} loops)" if o.exit_threshold \
         is not None else f"fixed exit at loop {R}"
-    if draft_loops:
-        words += f", self-speculative (drafts of {speculate} tokens from loop {draft_loops})"
-    if kv_policy != 'recompute':
-        words += f", kv_policy={kv_policy}" + (f" ({kv_slots} slots)" if kv_slots else "")
-    return words + (f", {batch_size} rows in flight" if batch_size > 1 else "") + (", compiled" * compile)
+    if o.draft_loops:
+        words += f", self-speculative (drafts of {o.speculate or 4} tokens from loop {o.draft_loops})"
+    if o.kv_policy != 'recompute':
+        words += f", kv_policy={o.kv_policy}" + (f" ({o.kv_slots} slots)" if o.kv_slots else "")
+    return words + (f", {o.batch_size} rows in flight" if o.batch_size > 1 else "") + ", compiled" * o.compile
 
 
 def decode_rows(model, rows, opts, dev):
     # every prompt's tokens, the loops each new token used, the decoding's counts
     if opts.batch_size > 1 or opts.compile:  # depth batching: rows at their own loops share each call
         return serve(model, rows, max_new_tokens, opts)
-    runs = [generate(model, torch.tensor([ids], device=dev), max_new_tokens, opts) for ids in rows]
-    return ([y[0].tolist() for y, _, _ in runs], [u[0].tolist() for _, u, _ in runs],
-            sum((Counter(c) for _, _, c in runs), Counter()))
+    ys, us, cs = zip(*(generate(model, torch.tensor([r], device=dev), max_new_tokens, opts) for r in rows))
+    return [y[0].tolist() for y in ys], [u[0].tolist() for u in us], sum(map(Counter, cs), Counter())
 
 
-def summary(used, seconds, R, opts, stats):
+def summary(used, seconds, R, o, stats):
     # every mode prints its speed: plain fixed-depth decoding is the baseline of the others
-    n, adaptive = used.numel(), opts.exit_threshold is not None
+    n, adaptive = used.numel(), o.exit_threshold is not None
     depth = (f"mean loops used per token: {used.mean():.2f} of {R} (min {used.min():.0f}, "
              f"max {used.max():.0f}, {n} tokens); ") if adaptive and n else ""
     ok, checked = stats.get('accepted', 0), stats.get('checked', 0)
-    drafts = f", {ok} of {checked} drafts accepted ({ok / checked:.0%})" if draft_loops and checked else ""
-    return (f"{depth}{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
-            + ("" if depth else f", {R} loops per token") + drafts)
+    drafts = f", {ok} of {checked} drafts accepted ({ok / checked:.0%})" if o.draft_loops and checked else ""
+    rate = f"{n / max(seconds, 1e-9):.1f} tokens/s" + ", compilation included" * o.compile  # torch.compile's
+    return f"{depth}{n} tokens in {seconds:.2f} s ({rate}){'' if depth else f', {R} loops per token'}{drafts}"
 
 if __name__ == '__main__':
     main()

@@ -12,7 +12,7 @@ and value (slot.update); this file asks the model for the steps of decoding (mod
 """
 import copy
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.nn import functional as F
@@ -37,6 +37,19 @@ class Decoding:
     batch_size: int = 1           # serve: rows in flight (continuous depth batching, batching.py)
     use_cache: bool = True        # False: recompute the window at every token (the reference)
     compile: bool = False         # serve: its step compiled as one graph (batching.compiled)
+
+    @classmethod
+    def from_flags(cls, flags, explicit=()):
+        """The options of sample.py's flags (a dict holding them): a flag's "off" value (-1 for
+        exit_threshold, 0 for top_k, n_loop and kv_slots) is None here, and speculate counts only where
+        given (explicit)."""
+        opts = {f.name: flags[f.name] for f in fields(cls) if f.name in flags}
+        for key, off in dict(top_k=0, n_loop=0, exit_threshold=-1, kv_slots=0).items():
+            if opts.get(key) == off:
+                opts[key] = None
+        if 'speculate' not in explicit:  # the flag's default 4 is not a choice: why_not tells them apart
+            opts['speculate'] = None
+        return cls(**opts)
 
     def why_not(self, cfg, loose=False):
         """Why these options cannot decode a model of config cfg, in sample.py's flags, or None. loose (a
@@ -202,7 +215,15 @@ class KVCache:
         in one write for every row, loop and layer (a row may come twice, at two positions). The loops a
         row ran keep their slots, written back as they are: no host read of which. 'shared': loops 1..k
         filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it."""
-        loops = torch.arange(1, min(R, self.n) + 1, device=rows.device)
+        last = min(R, self.n)
+        if not torch.is_tensor(exit_k):  # eager decoding: one exit loop and position, rows None or (P,):
+            r = slice(None) if rows is None else rows  # the skipped slots are one slice (15 us, gathered 80)
+            for t, new in ((self.loop_key, key), (self.loop_value, value)) if exit_k < last else ():
+                t = t.view(self.n, self.K, self.B, *t.shape[1:])  # (n, K, B, nh, T, hs): loop k in slot k - 1
+                new = t[exit_k - 1, :, r, :, pos] if new is None else new.transpose(0, 1).to(t.dtype)
+                t[exit_k:last, :, r, :, pos] = new                 # (L, K, P, nh, hs)
+            return
+        loops = torch.arange(1, last + 1, device=rows.device)
         layers = torch.arange(self.K, device=rows.device)
         entry = lambda k: self.entry(k, rows[:, None])[..., None] + layers * self.B  # (P, L, K) in loop_key
         to, at, skip = entry(loops), pos[:, None, None], (loops > exit_k[:, None])[..., None, None, None]

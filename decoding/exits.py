@@ -79,7 +79,8 @@ def score_at_exit(model, policy, z, logits, prev=None):
 def fill_skipped(model, cache, rows, h, e, exit_k, pos, R):
     """Cache rows `rows` (P,) whose tokens at positions pos (P,) exit at loops exit_k (P,) < R, with states h
     (P, 1, C) and prelude outputs e: fill the slots of the loops they skip as cache.policy says, in one
-    write for every row, loop and layer (KVCache.fill): batch 1 and depth batching alike."""
+    write for every row, loop and layer (KVCache.fill). Eager decoding passes one exit loop and position as
+    ints (rows None: all of them), depth batching tensors."""
     key = value = None  # copy, shared: the keys and values each row wrote at its exit loop
     if cache.policy == 'recompute':
         x, rope = model.carry(h, e), model.rope(pos, 1)  # what loop k+1 would read, the same in each
@@ -98,9 +99,11 @@ def adaptive_forward(model, idx, cache, pos, R, threshold, policy, rows=None):
     B = idx.size(0)
     every = torch.arange(B, device=idx.device)
 
-    def view(r):
-        # the cache seen through idx's rows r; all of them as one slice, as fixed-depth decoding reads it
-        return cache.view(rows[r] if rows is not None else None if r.numel() == B else r)
+    def cache_rows(r):
+        # the cache rows of idx's rows r; None: all of them, as one slice, as fixed-depth decoding reads them
+        return rows[r] if rows is not None else None if r.numel() == B else r
+
+    view = lambda r: cache.view(cache_rows(r))  # the cache seen through idx's rows r
 
     logits = torch.zeros(B, model.config.vocab_size, device=idx.device)
     used = torch.full((B,), float(R), device=idx.device)
@@ -120,8 +123,7 @@ def adaptive_forward(model, idx, cache, pos, R, threshold, policy, rows=None):
             for later, j in itertools.product(range(k + 1, R + 1), range(cache.K)):
                 view(done).slot('loop', j, later).hide(pos)
         elif k < R:  # done's cache rows, each exiting at loop k, position pos
-            c, zero = done if rows is None else rows[done], torch.zeros_like(done)
-            fill_skipped(model, cache, c, h[out], e[out], zero + k, zero + pos, R)
+            fill_skipped(model, cache, cache_rows(done), h[out], e[out], k, pos, R)
         live, stay = live[~out], ~out
         if live.numel() == 0:
             break

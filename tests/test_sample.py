@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import sample
 from conftest import save_tiny_checkpoint
 
-FAST = ['--num_samples=2', '--max_new_tokens=12', '--device=cpu']
+# float32: the exact numbers these tests compare (--dtype=auto is bf16 autocast on a CPU with bf16 units)
+FAST = ['--num_samples=2', '--max_new_tokens=12', '--device=cpu', '--dtype=float32']
 
 
 def run_main(argv):
@@ -179,6 +180,7 @@ def bad_setups(tmp_path, tiny_ckpt):
     (['--exit_threshold=-0.5'], "--exit_threshold=-0.5 is outside [0, 1]"),
     (['--top_k'], "--top_k: expected --key=value"),
     (['--device=gpu0'], '--device=gpu0: not a torch device'),
+    (['--dtype=fp8'], "--dtype='fp8': choose one of auto, float32, bfloat16, float16"),
 ])
 def test_bad_input_is_one_line_error(tmp_path, tiny_ckpt, monkeypatch, args, says):
     monkeypatch.chdir(tmp_path)
@@ -285,3 +287,77 @@ def test_exit_policy_gate_on_a_model_without_a_gate_is_one_line(tiny_ckpt, repo_
             code, out, err = r.returncode, r.stdout, r.stderr
         assert code == 1 and err.startswith('error: ') and err.count('\n') == 1, err
         assert 'this model has none' in err and 'Traceback' not in err and '---------------' not in out
+
+
+# ---- one source per option: the flags make the Decoding, --dtype is train.py's, the words read opts ----
+
+def test_from_flags_turns_each_off_value_into_none_and_keeps_speculate_only_when_given():
+    from decoding.engine import Decoding
+    flags = dict(sample.defaults)
+    assert Decoding.from_flags(flags) == Decoding(temperature=0.8, top_k=200)  # every other flag: off
+    for key, off in (('top_k', 0), ('n_loop', 0), ('exit_threshold', -1.0), ('kv_slots', 0)):
+        on = 0.0 if key == 'exit_threshold' else 3  # a threshold of 0 is on: every token exits at loop 1
+        assert getattr(Decoding.from_flags({**flags, key: off}), key) is None, key
+        assert getattr(Decoding.from_flags({**flags, key: on}), key) == on, key
+    assert Decoding.from_flags({**flags, 'speculate': 6}).speculate is None  # not given: not a choice
+    assert Decoding.from_flags({**flags, 'speculate': 6}, {'speculate'}).speculate == 6
+    given = dict(temperature=0.0, exit_policy='kl', kv_policy='copy', draft_loops=2, batch_size=8,
+                 compile=True)
+    assert Decoding.from_flags({**flags, **given}) == Decoding(top_k=200, **given)
+
+
+def test_dtype_follows_train_py_rule_and_float32_runs_without_autocast():
+    import torch
+    from run import ops
+    for dtype in ('auto', 'float32', 'bfloat16', 'float16'):
+        resolved, note = ops.resolve_dtype(dtype, 'cpu')
+        ctx, words = sample.precision(dtype, 'cpu')
+        assert words == resolved + note
+        with ctx:
+            assert torch.is_autocast_enabled('cpu') == (resolved != 'float32')
+            assert resolved == 'float32' or torch.get_autocast_dtype('cpu') == getattr(torch, resolved)
+
+
+def test_header_names_the_dtype_and_float32_decodes_as_before(tiny_ckpt, monkeypatch):
+    monkeypatch.chdir(tiny_ckpt.parent)
+    code, out, err = run_main([f'--out_dir={tiny_ckpt}', *FAST, '--start=ROMEO:', '--temperature=0'])
+    assert code == 0 and out.splitlines()[0].endswith(', fixed exit at loop 2, trained with n_loop=2, cpu, '
+                                                     'float32'), err
+    from run import ops
+    resolved, note = ops.resolve_dtype('auto', 'cpu')
+    code, out, err = run_main([f'--out_dir={tiny_ckpt}', *FAST[:-1], '--start=ROMEO:', '--temperature=0'])
+    assert code == 0 and out.splitlines()[0].endswith(f', cpu, {resolved}{note}'), err
+
+
+def test_mode_and_summary_read_the_options_not_the_flags(monkeypatch):
+    import torch
+    from decoding.engine import Decoding
+    for key, value in dict(exit_policy='kl', exit_threshold=0.9, draft_loops=3, speculate=9,
+                           kv_policy='shared', kv_slots=5, batch_size=7, compile=True).items():
+        monkeypatch.setattr(sample, key, value)  # flags that disagree with the options below
+    assert sample.mode(Decoding(), 4) == 'fixed exit at loop 4'
+    assert sample.mode(Decoding(exit_threshold=0.5, kv_policy='copy'), 4) == \
+        'adaptive exit (maxprob >= 0.5, at most 4 loops), kv_policy=copy'
+    assert sample.mode(Decoding(draft_loops=1), 2) == \
+        'fixed exit at loop 2, self-speculative (drafts of 4 tokens from loop 1)'
+    used = torch.tensor([1.0, 2.0])
+    assert sample.summary(used, 0.5, 2, Decoding(), dict(accepted=1, checked=2)) == \
+        '2 tokens in 0.50 s (4.0 tokens/s), 2 loops per token'
+
+
+def test_compiled_rate_says_it_includes_the_compilation():
+    # --compile=True compiles the step inside the timed decoding: its tokens/s is no steady-state rate
+    import torch
+    from decoding.engine import Decoding
+    line = sample.summary(torch.full((800,), 4.0), 51.3, 4, Decoding(compile=True), {})
+    assert line == '800 tokens in 51.30 s (15.6 tokens/s, compilation included), 4 loops per token'
+    assert 'compilation' not in sample.summary(torch.full((800,), 4.0), 2.0, 4, Decoding(), {})
+
+
+def test_a_prompts_file_without_a_prompt_is_one_line(tiny_ckpt, tmp_path):
+    for name, text in (('empty.txt', ''), ('blank.txt', '\n\n')):
+        (tmp_path / name).write_text(text, encoding='utf-8')
+        code, out, err = run_main([f'--out_dir={tiny_ckpt}', '--device=cpu', f'--prompts={tmp_path / name}'])
+        assert code == 1 and err.count('\n') == 1 and out == '', (name, out, err)
+        assert err == f"error: --prompts {tmp_path / name}: no prompt in the file (one a line, blank lines " \
+                      "skipped)\n"
