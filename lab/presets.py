@@ -1,8 +1,9 @@
 """
 The sweeps' presets (docs/papers.md §1-§6): each a title, the laptop config its arms run on, its seeds,
 its arms (config files and --key=value overrides on top of the base), the evaluator of a finished run
-(eval_depth: lab/eval_depth.py, or a script of lab/) and the function that writes its report from the
-finished runs (report_*.write, moe.moe_report). lab/ablate.py runs them: python lab/ablate.py PRESET.
+(eval_depth: lab/eval_depth.py, or a script of lab/) and its report: the function that makes the report's
+lines from the finished runs, report(arms, header, report_dir, prefix) (lab/report_*.py, lab/moe.py), which
+lab/reports.py's write_report calls. lab/ablate.py runs them: python lab/ablate.py PRESET.
 """
 import moe
 import report_blindspot
@@ -11,6 +12,7 @@ import report_kappa
 import report_lr_transfer
 import report_matched
 import report_recurrent
+
 
 def arm(name, *files, tags=None, **overrides):
     """One arm: config files (composed in order on top of the base) and --key=value overrides."""
