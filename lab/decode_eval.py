@@ -45,7 +45,7 @@ from configurator import Parser, die
 from decoding.exits import EXIT_POLICIES, KV_POLICIES, adaptive_step, score_at_exit, score_threshold
 from eval_depth import adaptive_curves, exit_stats, json_safe, quantile_thresholds, val_windows
 from prepare import load_meta
-from reports import plt_or_none, save
+from reports import fmt, plt_or_none, save
 
 QUANTILES = (0.02, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 0.95)  # of the per-token exit scores: ~1 to ~R loops
 
@@ -163,13 +163,10 @@ def evaluate(model, X, Y, kv_policies=KV_POLICIES, thresholds=None, exit_policy=
 # -----------------------------------------------------------------------------
 # the report
 
-def fmt(x, spec='.4f'):
-    return '—' if x is None else format(x, spec)
-
-
 def row(label, threshold, p):
-    return (f"| {label} | {fmt(threshold, '.4g')} | {fmt(p['loops'], '.2f')} | {fmt(p['ce'])} | "
-            f"{fmt(p['ppl'], '.3f')} |")
+    # a dash where a curve has no value (fixed depth's threshold; JSON's null for inf or nan)
+    return (f"| {label} | {fmt(threshold, '.4g', none='—')} | {fmt(p['loops'], '.2f', none='—')} | "
+            f"{fmt(p['ce'], '.4f', none='—')} | {fmt(p['ppl'], '.3f', none='—')} |")
 
 
 def arm_lines(name, r):
@@ -188,7 +185,7 @@ def gap_table(results, key, pols):
     lines = ["| arm | " + " | ".join(f"{p} max | {p} mean" for p in pols) + " |",
              "|---|" + "---|---|" * len(pols)]
     for name, r in results.items():
-        gap = lambda p, stat: fmt(r[key].get(p, {}).get(stat), '+.4f')
+        gap = lambda p, stat: fmt(r[key].get(p, {}).get(stat), '+.4f', none='—')
         lines.append(f"| {name} | " + " | ".join(f"{gap(p, 'max')} | {gap(p, 'mean')}" for p in pols) + " |")
     return lines + [""]
 
@@ -332,7 +329,7 @@ def main(argv=None):
     out = write_report(results, header, args.report_dir)
     print(f"wrote {out} ({header['seconds']:.0f}s)")
     for name, r in results.items():
-        gaps = ', '.join(f"{p} {fmt(g['max'], '+.4f')}" for p, g in r['gap'].items())
+        gaps = ', '.join(f"{p} {fmt(g['max'], '+.4f', none='—')}" for p, g in r['gap'].items())
         print(f"{name}: fixed-R CE {r['fixed'][-1]['ce']:.4f}; CE over recompute at matched loops "
               f"(max): {gaps}")
 

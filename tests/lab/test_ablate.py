@@ -14,6 +14,13 @@ import numpy as np
 import pytest
 
 import ablate
+import presets
+import report_blindspot
+import report_deeploop
+import report_kappa
+import report_lr_transfer
+import report_matched
+import report_recurrent
 import reports
 
 TINY = """\
@@ -43,7 +50,7 @@ def tiny_config(tmp_path):
 def test_sweep_runs_two_arms_end_to_end(tiny_data, tiny_config, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # train.py and eval_depth.py read data/<dataset> from the working directory
     monkeypatch.setitem(ablate.PRESETS, 'tiny', dict(
-        title='tiny', laptop=tiny_config, seeds=(7,), eval_depth=True, report='blindspot',
+        title='tiny', laptop=tiny_config, seeds=(7,), eval_depth=True, report=report_blindspot.write,
         arms=[ablate.arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
               ablate.arm('loop_raw', 'config/loop_raw.py')]))
     argv = ['tiny', '--out', 'runs', '--report_dir', 'rep', '--workers=2',
@@ -175,7 +182,7 @@ def test_deeploop_report_counts_runs_below_the_unigram_floor(tiny_data, tiny_con
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'{v}-R2', n_loop=2, tags=dict(variant=v, R=2, lr=1e-3)) for v in ('good', 'stuck')]
     monkeypatch.setitem(ablate.PRESETS, 'tinyloop', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                         eval_depth=False, report='deeploop', arms=arms))
+                                                         eval_depth=False, report=report_deeploop.write, arms=arms))
     floor = reports.unigram_floor(str(tiny_data))
     write_run('runs/good-R2-s1', [4.0, floor - 1.0])
     write_run('runs/stuck-R2-s1', [4.0, floor])
@@ -305,9 +312,9 @@ def test_recurrent_sweep_reports_test_time_depth_scale_and_three_exits(tiny_data
     # the norm table, and calibrated halting under margin, KL and (where the model has one) the gate
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(ablate.PRESETS, 'tinyrec', dict(
-        title='t', laptop=tiny_config, seeds=(1,), eval_depth=True, report='recurrent',
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=True, report=report_recurrent.write,
         eval_args=['--exits=16'],
-        arms=[ablate.arm('random_depth', injection='add', **ablate.RANDOM_DEPTH),
+        arms=[ablate.arm('random_depth', injection='add', **presets.RANDOM_DEPTH),
               ablate.arm('ouro', 'config/ouro.py')]))
     ablate.main(['tinyrec', '--out', 'runs', '--report_dir', 'rep', '--workers=1',
                  '--eval_args=--n_seqs=8 --batch_size=4 --timing_repeats=1 --n_grad_seqs=4'])
@@ -344,10 +351,10 @@ def test_theory_presets_plan_their_grids_as_train_py_resolves_them(repo_dir, mon
 
 def test_gamma_is_the_log_log_slope_of_kappa_against_R():
     Rs = [1, 2, 4, 8]
-    assert reports.fit_gamma(Rs, [2.0 * R ** 0.5 for R in Rs]) == pytest.approx(0.5)
-    assert reports.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3]) == pytest.approx(0.0, abs=1e-12)  # R = 1 left out
-    assert reports.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3], min_R=1) > 0.05                 # unless asked
-    assert reports.fit_gamma(Rs, [1.0, None, 0.0, 2.0]) is None  # fewer than two usable points
+    assert report_kappa.fit_gamma(Rs, [2.0 * R ** 0.5 for R in Rs]) == pytest.approx(0.5)
+    assert report_kappa.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3]) == pytest.approx(0.0, abs=1e-12)  # R = 1 left out
+    assert report_kappa.fit_gamma(Rs, [1.0, 1.3, 1.3, 1.3], min_R=1) > 0.05                 # unless asked
+    assert report_kappa.fit_gamma(Rs, [1.0, None, 0.0, 2.0]) is None  # fewer than two usable points
 
 
 def write_rows(d, rows, status='done'):
@@ -363,7 +370,7 @@ def test_kappa_report_tabulates_kappa_vs_R_and_fits_gamma(tiny_data, tiny_config
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'v-R{R}', n_loop=R, tags=dict(variant='v', R=R)) for R in (1, 2, 4, 8)]
     monkeypatch.setitem(ablate.PRESETS, 'tinykappa', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                          eval_depth=False, report='kappa', arms=arms))
+                                                          eval_depth=False, report=report_kappa.write, arms=arms))
     for R in (1, 2, 4, 8):
         write_rows(f'runs/v-R{R}-s1', [dict(iter=0, val_loss=4.0, kappa=1.0),
                                        dict(iter=30, val_loss=2.0, kappa=R ** 0.8)])
@@ -379,7 +386,7 @@ def test_lr_transfer_report_marks_the_best_lr_per_R(tiny_data, tiny_config, tmp_
     losses = {(False, 1e-3): 2.0, (False, 1e-2): 2.5, (True, 1e-3): 2.6, (True, 1e-2): 2.1}
     arms = [ablate.arm(f'e{int(eps)}-lr{lr:g}', tags=dict(eps=eps, R=2, lr=lr)) for eps, lr in losses]
     monkeypatch.setitem(ablate.PRESETS, 'tinylr', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                       eval_depth=False, report='lr_transfer', arms=arms))
+                                                       eval_depth=False, report=report_lr_transfer.write, arms=arms))
     for (eps, lr), v in losses.items():
         write_rows(f'runs/e{int(eps)}-lr{lr:g}-s1', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=v)])
     ablate.main(['tinylr', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
@@ -392,7 +399,7 @@ def test_escape_report_counts_escapes_beside_the_papers(tiny_data, tiny_config, 
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'p{p:g}', tags=dict(p=p)) for p in (0.3, 0.6)]
     monkeypatch.setitem(ablate.PRESETS, 'tinyesc', dict(title='t', laptop=tiny_config, seeds=(1, 2),
-                                                        eval_depth=False, report='escape', arms=arms))
+                                                        eval_depth=False, report=report_deeploop.write_escape, arms=arms))
     floor = reports.unigram_floor(str(tiny_data))
     for s, v in ((1, floor), (2, floor - 1.0)):
         write_rows(f'runs/p0.3-s{s}', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=v)])
@@ -408,7 +415,7 @@ def test_kappa_sweep_runs_end_to_end_and_logs_kappa(tiny_data, tiny_config, tmp_
     arms = [ablate.arm(f'preln-R{R}', n_loop=R, log_kappa=True, tags=dict(variant='preln', R=R))
             for R in (1, 2)]
     monkeypatch.setitem(ablate.PRESETS, 'tinyk', dict(title='t', laptop=tiny_config, seeds=(3,),
-                                                      eval_depth=False, report='kappa', arms=arms))
+                                                      eval_depth=False, report=report_kappa.write, arms=arms))
     ablate.main(['tinyk', '--out', 'runs', '--report_dir', 'rep', '--workers=2'])
     text = (tmp_path / 'runs' / 'preln-R2-s3' / 'metrics.jsonl').read_text()
     rows = [json.loads(line) for line in text.splitlines()]
@@ -473,7 +480,7 @@ def report_of(preset_name, preset, tmp_path, monkeypatch):
 
 def test_blindspot_report_cells_are_the_values_in_metrics_and_eval_depth(real_depth, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    preset = dict(title='t', laptop='none.py', seeds=(1,), eval_depth=True, report='blindspot',
+    preset = dict(title='t', laptop='none.py', seeds=(1,), eval_depth=True, report=report_blindspot.write,
                   arms=[ablate.arm('a'), ablate.arm('b')])
     depth = {}
     for name, shift in (('a', 0.0), ('b', 0.5)):
@@ -501,7 +508,7 @@ def test_blindspot_report_cells_are_the_values_in_metrics_and_eval_depth(real_de
 
 def test_recurrent_report_cells_are_the_values_in_eval_depth(real_depth, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    preset = dict(title='t', laptop='none.py', seeds=(1,), eval_depth=True, report='recurrent',
+    preset = dict(title='t', laptop='none.py', seeds=(1,), eval_depth=True, report=report_recurrent.write,
                   arms=[ablate.arm('fixed'), ablate.arm('sampled')])
     depth = dict(fixed=distinct_depth(real_depth, 0.0),
                  sampled=distinct_depth(real_depth, 0.5, loop_sampling='poisson_lognormal'))
@@ -528,7 +535,7 @@ def test_a_run_escapes_only_below_the_unigram_floor_minus_the_margin(tiny_data, 
     floor = reports.unigram_floor(str(tiny_data))
     arms = [ablate.arm(f'{v}-R2', n_loop=2, tags=dict(variant=v, R=2, lr=1e-3)) for v in ('near', 'below')]
     monkeypatch.setitem(ablate.PRESETS, 'tinymargin', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                           eval_depth=False, report='deeploop', arms=arms))
+                                                           eval_depth=False, report=report_deeploop.write, arms=arms))
     write_run('runs/near-R2-s1', [4.0, floor - 0.1])
     write_run('runs/below-R2-s1', [4.0, floor - 0.3])
     ablate.main(['tinymargin', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
@@ -543,7 +550,7 @@ def test_probes_preset_changes_only_what_each_arm_names(repo_dir, monkeypatch):
     # keys in its name changed; the embedded-default arm is train.py's own defaults at the laptop cadence
     monkeypatch.chdir(repo_dir)
     preset = ablate.PRESETS['probes']
-    assert preset['report'] == 'blindspot' and preset['eval_depth'] is True
+    assert preset['report'] is report_blindspot.write and preset['eval_depth'] is True
     base = ablate.plan(ablate.parse_args(['blindspot', '--only=loop_rmsnorm']), ablate.PRESETS['blindspot'])
     jobs = ablate.plan(ablate.parse_args(['probes']), preset)
     ablate.resolve(base + jobs)
@@ -577,37 +584,37 @@ def depth_of(fixed_ppl, curve):
 
 def test_ppl_within_a_budget_is_the_best_operating_point_that_fits_it():
     d = depth_of([20.0, 15.0, 14.0, 13.0], [(1.4, 16.0), (2.6, 13.5), (3.9, 12.5)])
-    assert reports.ppl_within(d, 1) == 20.0     # only exit 1 fits
-    assert reports.ppl_within(d, 1.5) == 16.0   # the adaptive point at 1.4 loops beats exit 1
-    assert reports.ppl_within(d, 3) == 13.5
-    assert reports.ppl_within(d, 4) == 12.5     # the adaptive point beats every fixed exit
-    assert reports.ppl_within(d, 0.5) is None   # nothing runs in under one loop
+    assert report_matched.ppl_within(d, 1) == 20.0     # only exit 1 fits
+    assert report_matched.ppl_within(d, 1.5) == 16.0   # the adaptive point at 1.4 loops beats exit 1
+    assert report_matched.ppl_within(d, 3) == 13.5
+    assert report_matched.ppl_within(d, 4) == 12.5     # the adaptive point beats every fixed exit
+    assert report_matched.ppl_within(d, 0.5) is None   # nothing runs in under one loop
 
 
 def test_matched_depth_verdict_is_the_rule_at_the_weakest_budget():
     lower = [-0.30, -0.31, -0.29]                 # lower in every seed, tightly: the CI excludes 0
     coin = [-0.30, +0.25, -0.10]                  # lower on the mean, the CI holds 0
     higher = [+0.30, +0.31, +0.29]
-    assert reports.matched_verdict([lower, lower]).startswith('reproduces')
-    word = reports.matched_verdict([lower, coin])
+    assert report_matched.matched_verdict([lower, lower]).startswith('reproduces')
+    word = report_matched.matched_verdict([lower, coin])
     assert word.startswith('inconclusive (weakest at ≤ 1.5 loops') and 'seeds would decide' in word
-    assert reports.matched_verdict([coin, higher]).startswith('does not reproduce (weakest at ≤ 1.5')
-    assert reports.matched_verdict([[], []]) == 'not tested'
+    assert report_matched.matched_verdict([coin, higher]).startswith('does not reproduce (weakest at ≤ 1.5')
+    assert report_matched.matched_verdict([[], []]) == 'not tested'
     # three same-sign seeds are no CI: lower in every seed but too spread to exclude 0
-    assert reports.matched_verdict([[-0.01, -0.5, -0.02]]).startswith('inconclusive')
+    assert report_matched.matched_verdict([[-0.01, -0.5, -0.02]]).startswith('inconclusive')
 
 
 def test_the_matched_claim_is_its_weakest_arm():
-    assert reports.matched_claim(['reproduces (x)', 'inconclusive (y)']) == 'inconclusive'
-    assert reports.matched_claim(['reproduces (x)', 'does not reproduce (y)']) == 'does not reproduce'
-    assert reports.matched_claim(['reproduces (x)', 'not tested']) == 'not tested'
+    assert report_matched.matched_claim(['reproduces (x)', 'inconclusive (y)']) == 'inconclusive'
+    assert report_matched.matched_claim(['reproduces (x)', 'does not reproduce (y)']) == 'does not reproduce'
+    assert report_matched.matched_claim(['reproduces (x)', 'not tested']) == 'not tested'
 
 
 def test_matched_table_pairs_each_arm_with_the_rmsnorm_arm_by_seed():
     base = [dict(seed=s, depth=depth_of([20.0, 18.0], [(1.5, 19.0)])) for s in (1, 2)]
     fix = [dict(seed=1, depth=depth_of([19.0, 17.0], [(1.5, 18.0)])),
            dict(seed=2, depth=depth_of([21.0, 17.5], [(1.5, 20.0)]))]
-    md = '\n'.join(reports.matched_tables({'loop_rmsnorm': base, 'loop_raw': fix}))
+    md = '\n'.join(report_matched.matched_tables({'loop_rmsnorm': base, 'loop_raw': fix}))
     # budget 1: 19 - 20 and 21 - 20 -> mean 0, CI 0 +- 12.706 * 1.414 / 1.414; budget 2: -1.0 and -0.5
     assert '| loop_raw | +0.000 [-12.706, +12.706] | +0.000 [-12.706, +12.706] | -0.750 [-3.926, +2.426] |' \
         in md.replace('-0.000', '+0.000')
@@ -641,7 +648,7 @@ def test_matched_long_reports_a_verdict_per_length_and_not_tested_where_a_seed_i
     # only seed 1 was evaluated, so that length has no verdict (not tested, 1 seed), whatever its numbers
     arms = {name: grown_runs(real_depth, tmp_path, name, fixed, {1: [4, 8], 2: [4]})
             for name, fixed in (('loop_rmsnorm', [20.0, 18.0]), ('loop_raw', [19.0, 17.0]))}
-    md = '\n'.join(reports.matched_long_report(arms, ['# header', ''], (4, 8), str(tmp_path), 'ml'))
+    md = '\n'.join(report_matched.matched_long_report(arms, ['# header', ''], (4, 8), str(tmp_path), 'ml'))
     assert md.index('| 4 | 2 | reproduces |') < md.index('| 8 | 1 | not tested |') < md.index('## 4 steps')
     assert '- scale-controlled variants at 4 steps: reproduces (2 seeds); computed: ' in md
     assert '- scale-controlled variants at 8 steps: not tested (1 seed); not reached' in md
@@ -662,7 +669,7 @@ def test_a_length_some_arms_reached_shows_their_verdicts_and_leaves_the_claim_no
                'loop_raw': ([21.0, 17.0], {1: [4, 8], 2: [4, 8]}),
                'loop_penalty': ([19.0, 17.0], {1: [4, 8], 2: [4]})}
     arms = {n: grown_runs(real_depth, tmp_path, n, fixed, by_seed) for n, (fixed, by_seed) in lengths.items()}
-    md = '\n'.join(reports.matched_long_report(arms, ['# header', ''], (4, 8), str(tmp_path), 'ml'))
+    md = '\n'.join(report_matched.matched_long_report(arms, ['# header', ''], (4, 8), str(tmp_path), 'ml'))
     at_8 = md[md.index('## 8 steps'):]
     assert 'Reached on two seeds by 2 of 3 arms; loop_penalty not yet' in at_8
     tables = at_8[at_8.index('### 8 steps, matched'):at_8.index('### Verdicts')]
@@ -678,7 +685,7 @@ def test_deeploop_comparison_is_paired_by_seed_against_the_baseline():
         return dict(seed=seed, arm=dict(tags=dict(variant=v, R=3, lr=1e-3)), status=dict(train='done'),
                     rows=[dict(val_loss=loss)])
     runs = [run('preln', 1, 2.0), run('preln', 2, 2.2), run('p05', 1, 1.9), run('p05', 2, 2.25)]
-    md = '\n'.join(reports.versus_baseline(runs, ['preln', 'p05'], [3], [1e-3]))
+    md = '\n'.join(report_deeploop.versus_baseline(runs, ['preln', 'p05'], [3], [1e-3]))
     assert '| preln | 2.100 ± 0.141 |' in md
     assert '| p05 | 2.075 ± 0.247, -0.025 (1/2) |' in md
 
@@ -690,7 +697,7 @@ def test_best_lr_comparison_takes_each_variants_own_best_lr_and_marks_optima_at_
     # preln's best (1e-3) has a worse LR on either side; p05's best is the highest LR it tried
     runs = [run('preln', 3e-4, 1, 2.2), run('preln', 1e-3, 1, 2.0), run('preln', 3e-3, 1, 2.3),
             run('p05', 1e-3, 1, 2.4), run('p05', 3e-3, 1, 2.1)]
-    md = '\n'.join(reports.at_best_lr(runs, ['preln', 'p05'], [1], [3e-4, 1e-3, 3e-3]))
+    md = '\n'.join(report_deeploop.at_best_lr(runs, ['preln', 'p05'], [1], [3e-4, 1e-3, 3e-3]))
     assert '| preln | 2.000 (lr 0.001) |' in md and '| p05 | 2.100 (lr 0.003, *edge*), +0.100 |' in md
 
 
@@ -706,7 +713,7 @@ def test_report_only_with_no_finished_run_refuses_and_leaves_the_report(tiny_con
                                                                          capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(ablate.PRESETS, 'tinyempty', dict(
-        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report='blindspot',
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report=report_blindspot.write,
         arms=[ablate.arm('loop_raw', 'config/loop_raw.py')]))
     (tmp_path / 'rep').mkdir()
     (tmp_path / 'rep' / 'tinyempty.md').write_text('the committed report\n', encoding='utf-8')
@@ -748,7 +755,7 @@ def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(
     monkeypatch.chdir(tmp_path)
     tiny = TINY.replace('eval_interval = 5', 'eval_interval = 2')
     (tmp_path / 'tiny.py').write_text(tiny, encoding='utf-8')
-    preset = dict(title='grow', laptop=tiny_config, seeds=(3,), eval_depth=True, report='matched_long',
+    preset = dict(title='grow', laptop=tiny_config, seeds=(3,), eval_depth=True, report=report_matched.write_long,
                   lengths=(4, 8), arms=[ablate.arm(n, f'config/{n}.py', max_iters=8)
                                         for n in ('loop_rmsnorm', 'loop_raw')])
     monkeypatch.setitem(ablate.PRESETS, 'grow', preset)
@@ -829,25 +836,25 @@ def blindspot_arms(rmsnorm_end, fix_end, terminal_ce1, dce):
                               dce=dce + j / 1e4) for s, j in enumerate(jitter)]
     return dict(loop_rmsnorm=arm(rmsnorm_end, dce=dce, half=rmsnorm_end / 2),
                 terminal_rmsnorm=arm(300.0, ce1=terminal_ce1),
-                **{fix: arm(fix_end) for fix in reports.FIXES})
+                **{fix: arm(fix_end) for fix in report_blindspot.FIXES})
 
 
 def test_paper_1s_claims_follow_the_numbers_of_their_arms():
     # the paper's picture: per-loop RMSNorm in the thousands and still growing, fixes in the tens, terminal
     # training's exit 1 far behind, the clamp free
-    said = {k: w for k, w, n, _ in reports.blindspot_verdicts(blindspot_arms(3000.0, 20.0, 15.0, 0.001))}
+    said = {k: w for k, w, n, _ in report_blindspot.blindspot_verdicts(blindspot_arms(3000.0, 20.0, 15.0, 0.001))}
     assert said == {'inflates the norm': 'reproduces', 'into the thousands': 'reproduces',
                     'still growing at the end': 'reproduces',
                     'early exits useless': 'reproduces', 'radial gradient': 'reproduces',
                     'radial clamp costs little': 'reproduces', 'fixes end in the tens': 'reproduces'}
     # the other world: no inflation, fixes at 500, exit 1 no worse, the clamp costly
-    said = {k: w for k, w, n, _ in reports.blindspot_verdicts(blindspot_arms(20.0, 500.0, 2.0, 0.2))}
+    said = {k: w for k, w, n, _ in report_blindspot.blindspot_verdicts(blindspot_arms(20.0, 500.0, 2.0, 0.2))}
     assert said['inflates the norm'] == 'does not reproduce'
     assert said['fixes end in the tens'] == 'does not reproduce'
     assert said['early exits useless'] == 'does not reproduce'
     assert said['radial clamp costs little'] == 'does not reproduce'
     # a norm that inflates, but to hundreds: not into the thousands
-    said = {k: w for k, w, n, _ in reports.blindspot_verdicts(blindspot_arms(600.0, 20.0, 15.0, 0.001))}
+    said = {k: w for k, w, n, _ in report_blindspot.blindspot_verdicts(blindspot_arms(600.0, 20.0, 15.0, 0.001))}
     assert said['inflates the norm'] == 'reproduces' and said['into the thousands'] == 'does not reproduce'
 
 
@@ -855,7 +862,7 @@ def test_huginns_hold_is_an_equivalence_claim_on_ce_beyond_the_trained_depth():
     def arm(ce_deep):  # fixed depth 1..16, trained at 4; three seeds 0.002 apart
         return [dict(seed=s, rows=[], depth=dict(n_loop=4, model_args={}, fixed=dict(
             ce=[3.0, 2.5, 2.3, 2.2] + [ce_deep + s / 500] * 12))) for s in (1, 2, 3)]
-    holds = lambda deep: [w for _, w, _, _ in reports.recurrent_verdicts(dict(huginn=arm(deep),
+    holds = lambda deep: [w for _, w, _, _ in report_recurrent.recurrent_verdicts(dict(huginn=arm(deep),
                                                                               recurrent_preln=arm(3.0)))]
     assert holds(2.2) == ['reproduces', 'does not reproduce']
     assert holds(2.5)[0] == 'does not reproduce'
@@ -867,7 +874,7 @@ def test_each_probe_judges_its_own_arm_the_clamp_within_0_01_nats_and_depth_with
         depth = lambda s: dict(clamp=dict(radial=dict(dce=[0, 0, 0, clamp + s / 1000])),  # noqa: E731
                                fixed=dict(ce=[2.0, 2.0, 2.0, 2.0 + exit_gap + s / 1000]))
         return [dict(seed=s, depth=depth(s)) for s in (1, 2, 3)]  # as the report's .json keeps them
-    said = {key: word for key, word, _, _ in reports.probes_verdicts({
+    said = {key: word for key, word, _, _ in report_blindspot.probes_verdicts({
         'loop_rmsnorm-2000-lr1e-3': arm(0.001, 0), 'loop_rmsnorm-lr1e-3': arm(0.06, 0),
         'loop_interloop_norm-gpt2': arm(0, -0.001), 'loop_interloop_norm-2000': arm(0, 0.06)})}
     assert said == {"the radial clamp costs little at 2,000 steps, lr 1e-3": 'reproduces',
@@ -880,8 +887,8 @@ def test_gaining_nothing_from_depth_is_an_equivalence_claim_on_exit_1_against_ex
     def runs(gains):  # per seed, val CE at exit 1 minus exit R
         return [dict(seed=s, depth=dict(n_loop=4, fixed=dict(ce=[2.5 + g, 2.5, 2.5, 2.5])))
                 for s, g in enumerate(gains, start=1)]
-    word = lambda gains: reports.depth_gain_verdict(runs(gains), 1000)[1]  # noqa: E731
+    word = lambda gains: report_matched.depth_gain_verdict(runs(gains), 1000)[1]  # noqa: E731
     assert word([0.001, -0.002, 0.000]) == 'reproduces'
     assert word([0.300, 0.280, 0.320]) == 'does not reproduce'   # the exits gain from depth after all
     assert word([0.010, -0.020, 0.030]) == 'inconclusive'
-    assert reports.depth_gain_verdict(runs([0, 0, 0]), 3000)[0].endswith('at 3,000 steps')
+    assert report_matched.depth_gain_verdict(runs([0, 0, 0]), 3000)[0].endswith('at 3,000 steps')

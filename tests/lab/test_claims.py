@@ -710,7 +710,8 @@ def test_looped_moe_verdicts_are_the_rules_on_the_reports_per_seed_records(name)
 
 def test_the_probes_verdicts_are_the_rules_on_the_reports_per_seed_records():
     # assets/probes.json holds every run's eval_depth results: the clamp and depth claims recomputed
-    from reports import probes_verdicts, verdict_block
+    from report_blindspot import probes_verdicts
+    from reports import verdict_block
     runs = json.loads((REPO / 'assets' / 'probes.json').read_text(encoding='utf-8'))
     said = [line for line in verdict_block(probes_verdicts(runs)) if line.startswith('- ')]
     assert said == report_block('probes')

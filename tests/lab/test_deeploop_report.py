@@ -1,18 +1,18 @@
 """
-The DeepLoop report's verdicts (reports.deeploop_verdicts, docs/papers.md §2) on hand-built runs of the
+The DeepLoop report's verdicts (report_deeploop.deeploop_verdicts, docs/papers.md §2) on hand-built runs of the
 deeploop preset's grid: each claim is judged at every block's own best LR, no verdict rests on a cell whose
 best LR is at its grid's edge or whose runs have not all finished, and the verdict lines are the ones
 tests/test_claims.py binds the README's and docs' verdicts to.
 """
 import math
 
-import ablate
-import reports
+import presets
+import report_deeploop
 from test_claims import REPORT_VERDICT  # how the README's and docs' verdicts are read from a report
 
 FLOOR = 3.35                       # a unigram floor: a run is stuck at or above FLOOR - ESCAPE_MARGIN
-VARIANTS = [v for v, _, _ in ablate.DEEPLOOP_VARIANTS]
-BLOCK = {v: block for v, block, _ in ablate.DEEPLOOP_VARIANTS}
+VARIANTS = [v for v, _, _ in presets.DEEPLOOP_VARIANTS]
+BLOCK = {v: block for v, block, _ in presets.DEEPLOOP_VARIANTS}
 
 
 def run(v, R, lr, seed, loss, status='done'):
@@ -24,7 +24,7 @@ def sweep(level, best=lambda v, R: 1e-3, seeds=(1, 2, 3)):
     """The preset's whole grid: variant v at R and seed ends at level(v, R, seed) at its best LR, and 0.05
     nats higher per factor of 10 away from it."""
     return [run(v, R, lr, s, level(v, R, s) + 0.05 * abs(math.log10(lr / best(v, R))))
-            for v in VARIANTS for R in ablate.DEEPLOOP_RS for lr in ablate.DEEPLOOP_LRS[BLOCK[v]]
+            for v in VARIANTS for R in presets.DEEPLOOP_RS for lr in presets.DEEPLOOP_LRS[BLOCK[v]]
             for s in seeds]
 
 
@@ -35,7 +35,7 @@ def verdicts(runs, floor=FLOOR):
 def verdicts_and_cells(runs, floor=FLOOR):
     Rs = sorted({r['arm']['tags']['R'] for r in runs})
     lrs = sorted({r['arm']['tags']['lr'] for r in runs})
-    return reports.deeploop_verdicts(runs, Rs, lrs, floor)
+    return report_deeploop.deeploop_verdicts(runs, Rs, lrs, floor)
 
 
 def deeploop_wins(v, R, s):
@@ -48,18 +48,18 @@ def deeploop_wins(v, R, s):
 
 
 def revisited(R):
-    return f"{reports.REVISITED} at R = {R}"
+    return f"{report_deeploop.REVISITED} at R = {R}"
 
 
 def test_the_verdicts_name_blocks_of_the_deeploop_preset():
-    assert {reports.DEEPLOOP_BASE, reports.DEEPLOOP, *reports.SMALLER_P} == set(VARIANTS)
+    assert {report_deeploop.DEEPLOOP_BASE, report_deeploop.DEEPLOOP, *report_deeploop.SMALLER_P} == set(VARIANTS)
 
 
 def test_deeploop_ahead_in_every_seed_at_every_revisited_R_reproduces():
     got = verdicts(sweep(deeploop_wins))
-    assert all(got[revisited(R)][:2] == ('reproduces', 3) for R in ablate.DEEPLOOP_RS if R > 1)
-    assert got[reports.REASON][:2] == ('reproduces', 3)
-    assert got[reports.NEUTRAL][:2] == ('reproduces', 3)  # +-0.002 by seed around 0: inside the margin
+    assert all(got[revisited(R)][:2] == ('reproduces', 3) for R in presets.DEEPLOOP_RS if R > 1)
+    assert got[report_deeploop.REASON][:2] == ('reproduces', 3)
+    assert got[report_deeploop.NEUTRAL][:2] == ('reproduces', 3)  # +-0.002 by seed around 0: inside the margin
 
 
 def test_deeploop_ahead_in_the_mean_but_not_beyond_the_seed_spread_is_inconclusive_at_that_R_only():
@@ -77,32 +77,32 @@ def test_deeploop_behind_is_not_better_and_a_smaller_p_ahead_of_it_is_not_the_re
         return x - (0.2 if v == 'preln' and R == 3 else 0.0)
     got = verdicts(sweep(level))
     assert got[revisited(3)][0] == 'does not reproduce'
-    assert got[reports.REASON][0] == 'does not reproduce'
+    assert got[report_deeploop.REASON][0] == 'does not reproduce'
 
 
 def test_a_gap_at_R_1_beyond_the_neutral_margin_is_not_neutral_and_a_wide_one_is_inconclusive():
     def level(gap, spread):  # DeepLoop `gap` behind at R = 1, +-spread by seed
         at = lambda v, R, s: gap + spread * (s - 2) if (v, R) == ('sandwich_p0.5', 1) else 0.0  # noqa: E731
         return lambda v, R, s: deeploop_wins(v, R, s) + at(v, R, s)
-    assert verdicts(sweep(level(0.05, 0.005)))[reports.NEUTRAL][0] == 'does not reproduce'
+    assert verdicts(sweep(level(0.05, 0.005)))[report_deeploop.NEUTRAL][0] == 'does not reproduce'
     # the committed runs' case: behind in every seed, but the CI crosses the margin
-    assert verdicts(sweep(level(0.04, 0.02)))[reports.NEUTRAL][0] == 'inconclusive'
+    assert verdicts(sweep(level(0.04, 0.02)))[report_deeploop.NEUTRAL][0] == 'inconclusive'
 
 
 def dl5_at_the_top(v, R):
     # every cell's best LR is 1e-3, inside both grids, but DeepLoop's at R = 5 is the highest it tried
-    return ablate.DEEPLOOP_LRS['sandwich'][-1] if (v, R) == ('sandwich_p0.5', 5) else 1e-3
+    return presets.DEEPLOOP_LRS['sandwich'][-1] if (v, R) == ('sandwich_p0.5', 5) else 1e-3
 
 
 def test_a_best_lr_at_the_grids_edge_gives_no_verdict_and_names_the_cell():
     got = verdicts(sweep(deeploop_wins, best=dl5_at_the_top))
-    grid = ablate.DEEPLOOP_LRS['sandwich']
-    for key in (revisited(5), reports.REASON):
+    grid = presets.DEEPLOOP_LRS['sandwich']
+    for key in (revisited(5), report_deeploop.REASON):
         word, _, how = got[key]
         assert word is None
         assert how == f"best LR at the grid's edge in cell sandwich_p0.5, R = 5 (lr {grid[-1]:g} of " \
                       + ' / '.join(f'{lr:g}' for lr in grid) + ")"
-    assert got[reports.NEUTRAL][0] == 'reproduces'  # R = 1's cells are interior: its verdict stands
+    assert got[report_deeploop.NEUTRAL][0] == 'reproduces'  # R = 1's cells are interior: its verdict stands
     assert got[revisited(3)][0] == 'reproduces'  # and so are R = 3's
 
 
@@ -114,8 +114,8 @@ def test_an_unfinished_run_gives_no_verdict_on_its_cells_and_a_failed_one_is_nev
         if r['arm']['tags'] == dict(variant='preln', R=3, lr=1e-3) and r['seed'] == 1:
             r['status'], r['rows'] = dict(train='failed'), [dict(val_loss=1.0)]
     got = verdicts(runs)
-    assert got[reports.NEUTRAL][0] is None and 'preln, R = 1 (1 of 12 runs)' in got[reports.NEUTRAL][2]
-    cell = reports.best_cell(runs, 'preln', 3, sorted(ablate.DEEPLOOP_LRS['preln']))
+    assert got[report_deeploop.NEUTRAL][0] is None and 'preln, R = 1 (1 of 12 runs)' in got[report_deeploop.NEUTRAL][2]
+    cell = report_deeploop.best_cell(runs, 'preln', 3, sorted(presets.DEEPLOOP_LRS['preln']))
     assert cell['lr'] != 1e-3 and math.isfinite(cell['mean'])  # 1e-3 lost a seed to a failure: not the best
 
 
@@ -126,7 +126,7 @@ def test_trainability_counts_stuck_runs_at_interior_lrs_only():
             t = r['arm']['tags']
             if (t['variant'], t['R'], t['lr']) in cells and r['seed'] == 1:
                 r['rows'] = [dict(val_loss=FLOOR)]
-        return verdicts(runs)[reports.TRAINABILITY]
+        return verdicts(runs)[report_deeploop.TRAINABILITY]
     word, n, how = stuck_at({('sandwich_p0', 7, 3e-3), ('sandwich_p0.25', 7, 1e-3)})
     assert (word, n) == ('inconclusive', 3)  # one stuck run of 36 against none: no CI excludes 0
     assert 'sandwich_p0 1/60 over the grid (R = 7 lr 0.003 seed 1), 1/36 at lr 0.0003 / 0.001 / 0.003;' in how
@@ -134,22 +134,22 @@ def test_trainability_counts_stuck_runs_at_interior_lrs_only():
     # stuck only at the grid's largest LR: an LR too large for that block, which is no reading of p
     assert stuck_at({('sandwich_p0', 7, 1e-2), ('sandwich_p0.25', 7, 1e-2)})[0] == 'inconclusive'
     # every smaller p stuck at two interior LRs at every R, p = 1/2 never
-    many = {(v, R, lr) for v in reports.SMALLER_P for R in ablate.DEEPLOOP_RS for lr in (1e-3, 3e-3)}
+    many = {(v, R, lr) for v in report_deeploop.SMALLER_P for R in presets.DEEPLOOP_RS for lr in (1e-3, 3e-3)}
     assert stuck_at(many)[0] == 'reproduces'  # seed 1 stuck in each: 8 of 36 against 0 of 36
     # p = 1/2 stuck more often than the smaller p: the other sign beyond noise
-    assert stuck_at({('sandwich_p0.5', R, lr) for R in ablate.DEEPLOOP_RS for lr in (1e-3, 3e-3)})[0] \
+    assert stuck_at({('sandwich_p0.5', R, lr) for R in presets.DEEPLOOP_RS for lr in (1e-3, 3e-3)})[0] \
         == 'does not reproduce'
 
 
 def test_the_verdict_block_is_what_test_claims_binds_and_no_verdict_lines_bind_nothing():
     vs, cell = verdicts_and_cells(sweep(deeploop_wins, best=dl5_at_the_top))
-    block = reports.deeploop_verdict_block(vs)
+    block = report_deeploop.deeploop_verdict_block(vs)
     bound = {m.group(1): (m.group(2), m.group(3)) for m in map(REPORT_VERDICT.match, block) if m}
-    assert bound[reports.NEUTRAL] == ('reproduces', '3')
-    assert bound[reports.TRAINABILITY] == ('inconclusive', '3')  # no run stuck anywhere: 0 of 36 each
-    assert revisited(5) not in bound and reports.REASON not in bound
+    assert bound[report_deeploop.NEUTRAL] == ('reproduces', '3')
+    assert bound[report_deeploop.TRAINABILITY] == ('inconclusive', '3')  # no run stuck anywhere: 0 of 36 each
+    assert revisited(5) not in bound and report_deeploop.REASON not in bound
     assert f"- {revisited(5)}: no verdict; best LR at the grid's edge in cell sandwich_p0.5, R = 5" \
         in '\n'.join(block)
-    table = '\n'.join(reports.verdict_cells_table(vs, cell))
+    table = '\n'.join(report_deeploop.verdict_cells_table(vs, cell))
     assert ('| sandwich_p0.5 | 5 | 0.01 | 0.0001 / 0.0003 / 0.001 / 0.003 / 0.01 | 2.200 | 0.010 | 3 | '
-            f'*edge* | 0 of 15 | {revisited(5)}; {reports.REASON} |') in table
+            f'*edge* | 0 of 15 | {revisited(5)}; {report_deeploop.REASON} |') in table

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import ablate
-import reports
+import report_blindspot
 from test_ablate import TINY
 
 submitit = pytest.importorskip('submitit')
@@ -24,13 +24,13 @@ def tiny_preset(tiny_data, tmp_path, monkeypatch):
     """The 'tiny' preset: two 5-iteration arms on tiny_char; tmp_path is the working directory. For the tests'
     time: no eval_depth.py, no plots, and train.py asked for its defaults once."""
     monkeypatch.chdir(tmp_path)  # train.py reads data/<dataset> from the working directory
-    monkeypatch.setattr(reports, 'plt_or_none', lambda: None)
+    monkeypatch.setattr(report_blindspot, 'plt_or_none', lambda: None)
     defaults = ablate.train_defaults()
     monkeypatch.setattr(ablate, 'train_defaults', lambda: defaults)
     monkeypatch.setenv('PYTHONPATH', os.environ.get('PYTHONPATH', ''))  # submit() adds to it: undone after
     (tmp_path / 'tiny.py').write_text(TINY, encoding='utf-8')
     monkeypatch.setitem(ablate.PRESETS, 'tiny', dict(
-        title='tiny', laptop='tiny.py', seeds=(7,), eval_depth=False, report='blindspot',
+        title='tiny', laptop='tiny.py', seeds=(7,), eval_depth=False, report=report_blindspot.write,
         arms=[ablate.arm('loop_rmsnorm', 'config/loop_rmsnorm.py'),
               ablate.arm('loop_raw', 'config/loop_raw.py')]))
     return tmp_path
