@@ -362,8 +362,8 @@ def verdict_cells_table(verdicts, cell):
 
 
 def deeploop_verdict_block(verdicts):
-    """verdict_block's lines, and `- KEY: no verdict; WHY` where a verdict is not issued (tests/test_claims.py
-    binds no doc verdict to such a line)."""
+    """verdict_block's lines, and `- KEY: no verdict; WHY` where a verdict is not issued
+    (tests/lab/test_claims.py binds no doc verdict to such a line)."""
     lines = ["### Verdicts", ""]
     for key, word, n, how, _ in verdicts:
         lines += verdict_block([(key, word, n, how)])[2:3] if word else [f"- {key}: no verdict; {how}"]

@@ -166,7 +166,8 @@ def finish_plot(fig, ax, plt, xlabel, ylabel, path):
 
 def verdict_block(verdicts):
     """A report's "### Verdicts": one line per claim, `- KEY: VERDICT (N seeds); how`, which
-    tests/test_claims.py binds every verdict of the README and docs to (KEY occurs in the doc's sentence)."""
+    tests/lab/test_claims.py binds every verdict of the README and docs to (KEY occurs in the doc's
+    sentence)."""
     return ["### Verdicts", ""] + [f"- {key}: {verdict} ({n} seed{'s' if n != 1 else ''}); {how}"
                                    for key, verdict, n, how in verdicts] + [""]
 
