@@ -79,7 +79,8 @@ PRESETS = {
     'escape': dict(
         title="DeepLoop's escape fractions at laptop size: sandwich R = 3, p in {0, 1/4, 0.3, 0.4, 0.5, "
               "0.6}, lr 3e-3",
-        laptop='config/laptop_deeploop.py', seeds=(1, 2, 3, 4, 5), eval_depth=False, report=report_deeploop.write_escape,
+        laptop='config/laptop_deeploop.py', seeds=(1, 2, 3, 4, 5), eval_depth=False,
+        report=report_deeploop.write_escape,
         arms=[arm(f'sandwich_p{p:g}', block='sandwich', depth_scaling=p, n_loop=3, learning_rate=KAPPA_LR,
                   tags=dict(p=p))
               for p in ESCAPE_PS]),
@@ -109,7 +110,8 @@ PRESETS['recurrent'] = dict(
 GROWING = dict(max_iters=10_000, eval_interval=50)  # §1 "still growing": 16x the blind-spot sweep's length
 PRESETS['growing'] = dict(
     title="Paper 1, \"still growing\": per-loop CE with an RMSNorm vs a raw readout, 10,000 steps",
-    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report=report_blindspot.write_growing,
+    laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True,
+    report=report_blindspot.write_growing,
     arms=[arm('loop_rmsnorm', 'config/loop_rmsnorm.py', **GROWING),
           arm('loop_raw', 'config/loop_raw.py', **GROWING)])
 # paper 1's abstract: scale-controlled variants reach a lower perplexity at matched inference depth. The

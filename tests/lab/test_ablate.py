@@ -181,8 +181,8 @@ def write_run(d, val_losses, status='done'):
 def test_deeploop_report_counts_runs_below_the_unigram_floor(tiny_data, tiny_config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'{v}-R2', n_loop=2, tags=dict(variant=v, R=2, lr=1e-3)) for v in ('good', 'stuck')]
-    monkeypatch.setitem(ablate.PRESETS, 'tinyloop', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                         eval_depth=False, report=report_deeploop.write, arms=arms))
+    monkeypatch.setitem(ablate.PRESETS, 'tinyloop', dict(
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report=report_deeploop.write, arms=arms))
     floor = reports.unigram_floor(str(tiny_data))
     write_run('runs/good-R2-s1', [4.0, floor - 1.0])
     write_run('runs/stuck-R2-s1', [4.0, floor])
@@ -369,8 +369,8 @@ def test_kappa_report_tabulates_kappa_vs_R_and_fits_gamma(tiny_data, tiny_config
     # aligned-looking runs: kappa_R = R^0.8 at the end, 1.0 (gamma 0) at step 0
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'v-R{R}', n_loop=R, tags=dict(variant='v', R=R)) for R in (1, 2, 4, 8)]
-    monkeypatch.setitem(ablate.PRESETS, 'tinykappa', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                          eval_depth=False, report=report_kappa.write, arms=arms))
+    monkeypatch.setitem(ablate.PRESETS, 'tinykappa', dict(
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report=report_kappa.write, arms=arms))
     for R in (1, 2, 4, 8):
         write_rows(f'runs/v-R{R}-s1', [dict(iter=0, val_loss=4.0, kappa=1.0),
                                        dict(iter=30, val_loss=2.0, kappa=R ** 0.8)])
@@ -385,8 +385,9 @@ def test_lr_transfer_report_marks_the_best_lr_per_R(tiny_data, tiny_config, tmp_
     monkeypatch.chdir(tmp_path)
     losses = {(False, 1e-3): 2.0, (False, 1e-2): 2.5, (True, 1e-3): 2.6, (True, 1e-2): 2.1}
     arms = [ablate.arm(f'e{int(eps)}-lr{lr:g}', tags=dict(eps=eps, R=2, lr=lr)) for eps, lr in losses]
-    monkeypatch.setitem(ablate.PRESETS, 'tinylr', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                       eval_depth=False, report=report_lr_transfer.write, arms=arms))
+    monkeypatch.setitem(ablate.PRESETS, 'tinylr', dict(
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report=report_lr_transfer.write,
+        arms=arms))
     for (eps, lr), v in losses.items():
         write_rows(f'runs/e{int(eps)}-lr{lr:g}-s1', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=v)])
     ablate.main(['tinylr', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
@@ -398,8 +399,9 @@ def test_lr_transfer_report_marks_the_best_lr_per_R(tiny_data, tiny_config, tmp_
 def test_escape_report_counts_escapes_beside_the_papers(tiny_data, tiny_config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'p{p:g}', tags=dict(p=p)) for p in (0.3, 0.6)]
-    monkeypatch.setitem(ablate.PRESETS, 'tinyesc', dict(title='t', laptop=tiny_config, seeds=(1, 2),
-                                                        eval_depth=False, report=report_deeploop.write_escape, arms=arms))
+    monkeypatch.setitem(ablate.PRESETS, 'tinyesc', dict(
+        title='t', laptop=tiny_config, seeds=(1, 2), eval_depth=False, report=report_deeploop.write_escape,
+        arms=arms))
     floor = reports.unigram_floor(str(tiny_data))
     for s, v in ((1, floor), (2, floor - 1.0)):
         write_rows(f'runs/p0.3-s{s}', [dict(iter=0, val_loss=4.0), dict(iter=9, val_loss=v)])
@@ -414,8 +416,8 @@ def test_kappa_sweep_runs_end_to_end_and_logs_kappa(tiny_data, tiny_config, tmp_
     monkeypatch.chdir(tmp_path)
     arms = [ablate.arm(f'preln-R{R}', n_loop=R, log_kappa=True, tags=dict(variant='preln', R=R))
             for R in (1, 2)]
-    monkeypatch.setitem(ablate.PRESETS, 'tinyk', dict(title='t', laptop=tiny_config, seeds=(3,),
-                                                      eval_depth=False, report=report_kappa.write, arms=arms))
+    monkeypatch.setitem(ablate.PRESETS, 'tinyk', dict(
+        title='t', laptop=tiny_config, seeds=(3,), eval_depth=False, report=report_kappa.write, arms=arms))
     ablate.main(['tinyk', '--out', 'runs', '--report_dir', 'rep', '--workers=2'])
     text = (tmp_path / 'runs' / 'preln-R2-s3' / 'metrics.jsonl').read_text()
     rows = [json.loads(line) for line in text.splitlines()]
@@ -534,8 +536,8 @@ def test_a_run_escapes_only_below_the_unigram_floor_minus_the_margin(tiny_data, 
     import reports
     floor = reports.unigram_floor(str(tiny_data))
     arms = [ablate.arm(f'{v}-R2', n_loop=2, tags=dict(variant=v, R=2, lr=1e-3)) for v in ('near', 'below')]
-    monkeypatch.setitem(ablate.PRESETS, 'tinymargin', dict(title='t', laptop=tiny_config, seeds=(1,),
-                                                           eval_depth=False, report=report_deeploop.write, arms=arms))
+    monkeypatch.setitem(ablate.PRESETS, 'tinymargin', dict(
+        title='t', laptop=tiny_config, seeds=(1,), eval_depth=False, report=report_deeploop.write, arms=arms))
     write_run('runs/near-R2-s1', [4.0, floor - 0.1])
     write_run('runs/below-R2-s1', [4.0, floor - 0.3])
     ablate.main(['tinymargin', '--out', 'runs', '--report_dir', 'rep', '--report_only'])
@@ -755,7 +757,8 @@ def test_a_run_evaluated_as_it_grows_continues_from_its_checkpoint_after_a_kill(
     monkeypatch.chdir(tmp_path)
     tiny = TINY.replace('eval_interval = 5', 'eval_interval = 2')
     (tmp_path / 'tiny.py').write_text(tiny, encoding='utf-8')
-    preset = dict(title='grow', laptop=tiny_config, seeds=(3,), eval_depth=True, report=report_matched.write_long,
+    preset = dict(title='grow', laptop=tiny_config, seeds=(3,), eval_depth=True,
+                  report=report_matched.write_long,
                   lengths=(4, 8), arms=[ablate.arm(n, f'config/{n}.py', max_iters=8)
                                         for n in ('loop_rmsnorm', 'loop_raw')])
     monkeypatch.setitem(ablate.PRESETS, 'grow', preset)
@@ -842,7 +845,8 @@ def blindspot_arms(rmsnorm_end, fix_end, terminal_ce1, dce):
 def test_paper_1s_claims_follow_the_numbers_of_their_arms():
     # the paper's picture: per-loop RMSNorm in the thousands and still growing, fixes in the tens, terminal
     # training's exit 1 far behind, the clamp free
-    said = {k: w for k, w, n, _ in report_blindspot.blindspot_verdicts(blindspot_arms(3000.0, 20.0, 15.0, 0.001))}
+    verdicts = report_blindspot.blindspot_verdicts(blindspot_arms(3000.0, 20.0, 15.0, 0.001))
+    said = {k: w for k, w, n, _ in verdicts}
     assert said == {'inflates the norm': 'reproduces', 'into the thousands': 'reproduces',
                     'still growing at the end': 'reproduces',
                     'early exits useless': 'reproduces', 'radial gradient': 'reproduces',
@@ -854,7 +858,8 @@ def test_paper_1s_claims_follow_the_numbers_of_their_arms():
     assert said['early exits useless'] == 'does not reproduce'
     assert said['radial clamp costs little'] == 'does not reproduce'
     # a norm that inflates, but to hundreds: not into the thousands
-    said = {k: w for k, w, n, _ in report_blindspot.blindspot_verdicts(blindspot_arms(600.0, 20.0, 15.0, 0.001))}
+    verdicts = report_blindspot.blindspot_verdicts(blindspot_arms(600.0, 20.0, 15.0, 0.001))
+    said = {k: w for k, w, n, _ in verdicts}
     assert said['inflates the norm'] == 'reproduces' and said['into the thousands'] == 'does not reproduce'
 
 

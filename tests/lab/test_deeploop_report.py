@@ -1,8 +1,8 @@
 """
-The DeepLoop report's verdicts (report_deeploop.deeploop_verdicts, docs/papers.md §2) on hand-built runs of the
-deeploop preset's grid: each claim is judged at every block's own best LR, no verdict rests on a cell whose
-best LR is at its grid's edge or whose runs have not all finished, and the verdict lines are the ones
-tests/test_claims.py binds the README's and docs' verdicts to.
+The DeepLoop report's verdicts (report_deeploop.deeploop_verdicts, docs/papers.md §2) on hand-built runs of
+the deeploop preset's grid: each claim is judged at every block's own best LR, no verdict rests on a cell
+whose best LR is at its grid's edge or whose runs have not all finished, and the verdict lines are the ones
+tests/lab/test_claims.py binds the README's and docs' verdicts to.
 """
 import math
 
@@ -52,14 +52,16 @@ def revisited(R):
 
 
 def test_the_verdicts_name_blocks_of_the_deeploop_preset():
-    assert {report_deeploop.DEEPLOOP_BASE, report_deeploop.DEEPLOOP, *report_deeploop.SMALLER_P} == set(VARIANTS)
+    rd = report_deeploop
+    assert {rd.DEEPLOOP_BASE, rd.DEEPLOOP, *rd.SMALLER_P} == set(VARIANTS)
 
 
 def test_deeploop_ahead_in_every_seed_at_every_revisited_R_reproduces():
     got = verdicts(sweep(deeploop_wins))
     assert all(got[revisited(R)][:2] == ('reproduces', 3) for R in presets.DEEPLOOP_RS if R > 1)
     assert got[report_deeploop.REASON][:2] == ('reproduces', 3)
-    assert got[report_deeploop.NEUTRAL][:2] == ('reproduces', 3)  # +-0.002 by seed around 0: inside the margin
+    # +-0.002 by seed around 0: inside the margin
+    assert got[report_deeploop.NEUTRAL][:2] == ('reproduces', 3)
 
 
 def test_deeploop_ahead_in_the_mean_but_not_beyond_the_seed_spread_is_inconclusive_at_that_R_only():
@@ -114,7 +116,8 @@ def test_an_unfinished_run_gives_no_verdict_on_its_cells_and_a_failed_one_is_nev
         if r['arm']['tags'] == dict(variant='preln', R=3, lr=1e-3) and r['seed'] == 1:
             r['status'], r['rows'] = dict(train='failed'), [dict(val_loss=1.0)]
     got = verdicts(runs)
-    assert got[report_deeploop.NEUTRAL][0] is None and 'preln, R = 1 (1 of 12 runs)' in got[report_deeploop.NEUTRAL][2]
+    neutral = got[report_deeploop.NEUTRAL]
+    assert neutral[0] is None and 'preln, R = 1 (1 of 12 runs)' in neutral[2]
     cell = report_deeploop.best_cell(runs, 'preln', 3, sorted(presets.DEEPLOOP_LRS['preln']))
     assert cell['lr'] != 1e-3 and math.isfinite(cell['mean'])  # 1e-3 lost a seed to a failure: not the best
 
