@@ -13,6 +13,7 @@ calls on). Prompt passes and slid windows run all R loops (engine.decode_step), 
 holds up to 2B rows, passed ones waiting for a place.
 """
 import functools
+import time
 from dataclasses import replace
 
 import torch
@@ -163,7 +164,8 @@ def fill_pending(model, cache, pending, R):
 def serve(model, prompts, max_new_tokens, opts=Decoding()):
     """Decode max_new_tokens after each prompt (token lists), opts.batch_size rows in flight: the token lists
     in prompt order, the loops each new token used, and counts: calls (of the blocks), refills (windows
-    slid), passes (prompt passes), full (the share of the calls' B places that held a row)."""
+    slid), passes (prompt passes), full (the share of the calls' B places that held a row), compiling (with
+    opts.compile: the seconds of the calls that compiled, the first at each batch shape)."""
     R, o = opts.n_loop or model.config.n_loop, opts
     assert (why := replace(o, batch_size=2).why_not(model.config, loose=True)) is None, why  # B = 1 too
     threshold = o.threshold_score()
@@ -175,6 +177,7 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
     req = Requests(prompts, cache.B, max_new_tokens, model.config.block_size)
     f, free, pending, calls, ran, passes = Flight(model, B), list(range(B)), [], 0, 0, 0
     run = compiled(cache.loop_key.device.type) if o.compile else step
+    shapes, compiling = set(), 0.0  # the batch shapes run, the seconds of their first calls
     while max_new_tokens and (free or f.held):
         while len(req.ready) < len(free) and (req.waiting or req.queue):  # passed rows for the free places
             pending = fill_pending(model, cache, pending, R)  # before a pass writes over a done row's
@@ -183,9 +186,13 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
         req.ready = f.place(model, cache, free, req.ready)
         if not f.held:
             break
+        t0 = time.perf_counter()
         f.h, f.loops, f.prev, logits, done = run(model, cache, f, R, threshold, o.exit_policy)
         calls, ran = calls + 1, ran + len(f.held)
-        out = done.nonzero().squeeze(1)
+        out = done.nonzero().squeeze(1)  # (on the host: the call has run)
+        if o.compile and len(f.held) not in shapes:  # a new batch shape: torch.compile compiled its graph
+            shapes.add(len(f.held))
+            compiling += time.perf_counter() - t0
         early, stale = out[f.loops[out] < R], bool(pending)  # a skipped slot is first read two calls on
         pending.append((f.rows[early], f.h[early], f.e[early], f.loops[early], f.pos[early]))
         pending = fill_pending(model, cache, pending, R) if stale else pending
@@ -196,4 +203,4 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
                 back.append((f.held[place], t, pos))
         req.ready[:0] = back
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes,
-                                      full=ran / max(1, B * calls))
+                                      full=ran / max(1, B * calls), compiling=compiling)

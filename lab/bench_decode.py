@@ -433,3 +433,7 @@ def cells_depth(row):
                   f"passes {c['depth_prompt_ms']:.1f} ms a prompt vs {c['prompt_ms']:.1f} batched)"]
     return cells + [f"({row['requests_per_row']}B prompts of {row['config']['prompt']} tokens at batch B; "
                     f"tok/s of the new tokens after each prompt's first; fp32, untrained weights)"]
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/bench_decode.py: bench.py's decoding rows, not a command; see python lab/bench.py --help")

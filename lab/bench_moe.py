@@ -146,3 +146,7 @@ def cells_moe(row):
                  f"k experts and router; {mfu}; {row['active_params_moe'] / 1e6:.2f}M of "
                  f"{row['params_moe'] / 1e6:.2f}M params active)")
     return cells
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/bench_moe.py: bench.py's Looped-MoE row, not a command; see python lab/bench.py --help")

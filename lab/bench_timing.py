@@ -118,3 +118,7 @@ def ceilings(run):
 def dtypes(row):
     """The dtypes a per-dtype row was measured in (a JSON from before the bf16 plan: both)."""
     return row.get('dtypes', DTYPES)
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/bench_timing.py: bench.py's timer, not a command; see python lab/bench.py --help")

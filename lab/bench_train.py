@@ -595,3 +595,7 @@ def cells_profile(row):
     return [(f"{SHORT[d]} step, profiled: {row[d]['step_ms']:.0f} ms in {row[d]['ops_per_step']:,} ops",
              ', '.join(f"{short(o['op'])} {o['share'] * 100:.0f}%" for o in row[d]['top'][:3]),
              'report', None) for d in dtypes(row)]
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/bench_train.py: bench.py's training rows, not a command; see python lab/bench.py --help")

@@ -7,9 +7,11 @@ study's delta phi on the cells it shares with the baseline, and the refits by (b
 import csv
 import math
 import os
+import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 from configurator import die
 
 COLUMNS = ('n_once', 'n_rec', 'r', 'tokens', 'loss')
@@ -432,3 +434,7 @@ def grouped_phi(t, starts, resamples, boot_starts, seed=0):
             hits += int(h0 - h1 >= observed)
         out[f'p_phi{phi:g}'] = (hits + 1) / (resamples + 1)  # the observed table is one draw: p is never 0
     return out
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/isodepth_fit.py: isodepth.py's fit, not a command; see python lab/isodepth.py --help")

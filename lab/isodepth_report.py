@@ -284,3 +284,7 @@ def report(res):
     edges = ', '.join(f"{k} {v['low']}/{v['high']}" for k, v in res['box_edges'].items()
                       if v['low'] + v['high'])
     print(f"bootstrap refits on the box's edge (low/high): {edges or 'none'}")
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/isodepth_report.py: isodepth.py's reports, not a command; see python lab/isodepth.py --help")

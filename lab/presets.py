@@ -232,3 +232,7 @@ PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "R
           arm('loop_interloop_norm-gpt2', 'config/loop_interloop_norm.py', init='gpt2'),
           arm('loop_interloop_norm-lr1e-3', 'config/loop_interloop_norm.py', learning_rate=1e-3),
           arm('loop_interloop_norm-2000', 'config/loop_interloop_norm.py', **LONG)])
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/presets.py: ablate.py's presets, not a command; see python lab/ablate.py --help")

@@ -336,3 +336,7 @@ def write_growing(arms, header, report_dir, prefix):
         name = plot_growing(plt, arms, report_dir, prefix)
         lines += ["", f"![{name}]({name})"]
     return lines
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/report_blindspot.py: a preset's report, not a command; see python lab/ablate.py --help")

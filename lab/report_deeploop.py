@@ -429,3 +429,7 @@ def write_escape(arms, header, report_dir, prefix):
         name = plot_escape(plt, runs, ps, floor, report_dir, prefix)
         lines.append(f"![{name}]({name})")
     return lines
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/report_deeploop.py: a preset's report, not a command; see python lab/ablate.py --help")

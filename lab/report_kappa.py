@@ -124,3 +124,7 @@ def write(arms, header, report_dir, prefix):
                      plot_gamma(plt, runs, variants, Rs, report_dir, prefix)):
             lines.append(f"![{name}]({name})")
     return lines
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/report_kappa.py: a preset's report, not a command; see python lab/ablate.py --help")

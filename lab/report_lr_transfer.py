@@ -68,3 +68,7 @@ def write(arms, header, report_dir, prefix):
         name = plot_lr_transfer(plt, runs, Rs, lrs, report_dir, prefix)
         lines.append(f"![{name}]({name})")
     return lines
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/report_lr_transfer.py: a preset's report, not a command; see python lab/ablate.py --help")

@@ -191,3 +191,7 @@ def depth_gain_verdict(runs, L):
     word, why = verdict(*mean_ci(xs), margin=HOLD_MARGIN, n=len(xs))
     return (f"a normalised readout gains nothing from depth at {L:,} steps", word, len(xs),
             f"computed: {BASELINE_ARM}'s val CE at exit 1 minus at exit R, per seed; {why}")
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/report_matched.py: a preset's report, not a command; see python lab/ablate.py --help")

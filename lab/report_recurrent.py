@@ -71,3 +71,7 @@ def recurrent_verdicts(arms):
         out.append((key, word, len(xs), f"computed: {name}'s val CE at {TEST_LOOPS[-1]} loops minus at "
                                         f"the trained depth, per seed; {why}"))
     return out
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/report_recurrent.py: a preset's report, not a command; see python lab/ablate.py --help")

@@ -257,3 +257,7 @@ def write_report(preset_name, preset, jobs, args, sweep):
         json.dump(summary(arms), fh, indent=1)
     print(f"report: {path}")
     return path
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/reports.py: ablate.py's report helpers, not a command; see python lab/ablate.py --help")

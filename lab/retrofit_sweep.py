@@ -310,3 +310,7 @@ def main(argv):
     if not any(r.get('done') for r in runs):
         die(f"no finished run under {a.out}/: run the sweep first (python lab/ablate.py retrofit)")
     report(runs, a, header(a))
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/retrofit_sweep.py: a preset's sweep, not a command; see python lab/ablate.py retrofit --help")

@@ -135,3 +135,7 @@ def weakest(words):
         if word in words:
             return word
     return 'not tested'
+
+
+if __name__ == '__main__':  # a module the lab's commands import
+    print("lab/verdict.py: the reports' verdict rule, not a command; see python lab/ablate.py --help")
