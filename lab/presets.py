@@ -221,7 +221,7 @@ PRESETS['retrofit_gpt2'] = dict(
               loop_sampling='fixed', backprop_loops=0, loop_schedule=0.0, max_iters=3500,
               lr_decay_iters=3500)])
 LONG = dict(max_iters=2000, eval_interval=50)
-PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (README, "Results at laptop scale")
+PRESETS['probes'] = dict(  # cheap checks of two blind-spot findings (docs/results.md, the claims)
     title="Probes: the radial-clamp cost vs training length and LR; the inter-loop-norm arm vs init and LR",
     laptop='config/laptop_blindspot.py', seeds=(1337,), eval_depth=True, report=report_blindspot.write,
     arms=[arm('loop_rmsnorm-2000', 'config/loop_rmsnorm.py', **LONG),

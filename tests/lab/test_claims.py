@@ -11,7 +11,7 @@ maps the display names every doc uses for an arm (`per-loop + RMSNorm` -> `loop_
 lists numbers the text computes from the report's (a ratio, a difference) or takes from the run's settings:
 allowed, and visible as such. A table's marker is the comment ending on the line above it (or one blank line
 above); a table of what no report measures carries `<!-- not from an asset: REASON -->`. Every table in
-README.md's "## Results at laptop scale" section and in docs/*.md carries one of the two.
+README.md's "## What you will see" section and in docs/*.md carries one of the two.
 
 Tables. A row binds to ONE report row: its label (first cell) resolves to a report row's first cell (the
 marker's map, then ARMS, then the label itself, then a report label the label spells out, e.g. in
@@ -21,7 +21,7 @@ whose label names no report row but states a verdict (a summary of claims) is ch
 report its row links to where it links one.
 
 Prose. A marker also covers the paragraphs and bullets after it, up to the next heading or marker, in
-README's results section and docs/results.md. In that prose:
+README's "What you will see" and docs/results.md. In that prose:
 - every decimal number (2.59, +0.090, 5.6e-09, x1.10) occurs in one of the sources, as written up to its
   sign ("0.049 nats behind" for +0.049), or in `derived:`. Exempt, because they are settings and counts,
   not results: integers (steps, seeds, R, dates, 1,024 tokens), a power with an integer mantissa (lr 3e-4),
@@ -62,7 +62,8 @@ SEEDS = re.compile(r'\b(\d+|one|two|three|four|five|six|seven|eight|nine|ten) se
 WORDS = dict(one=1, two=2, three=3, four=4, five=5, six=6, seven=7, eight=8, nine=9, ten=10)
 REPORT_VERDICT = re.compile(r'^- (.+?): (reproduces|direction only|does not reproduce|not tested|'
                             r'inconclusive) \((\d+) seeds?\)')
-README_RESULTS = '## Results at laptop scale'
+README_RESULTS = '## What you will see'  # README.md: the headline findings, each with its report
+CLAIMS = '## Every claim at a glance'  # docs/results.md: one row per claim, its verdict, its report
 # the display names the docs give the reports' arms (a marker's own `LABEL -> ROW` comes first)
 ARMS = {
     'terminal + RMSNorm': 'terminal_rmsnorm', 'terminal + raw': 'terminal_raw',
@@ -509,15 +510,26 @@ def test_docs_tables_rows_numbers_and_verdicts_come_from_their_reports():
     assert not found, '\n'.join(found)
 
 
-def test_readme_results_section_comes_from_its_reports():
+def test_readme_headline_findings_come_from_their_reports():
     found = problems(REPO / 'README.md', README_RESULTS)
     assert not found, '\n'.join(found)
 
 
-def test_readme_results_tables_bind_to_their_reports():
-    # tables only (prose: the test above): a summary table of verdicts binds through the Verdicts blocks
-    found = problems(REPO / 'README.md', README_RESULTS, prose=False)
+def test_the_table_of_every_claim_comes_from_its_reports():
+    found = problems(REPO / 'docs' / 'results.md', CLAIMS)
     assert not found, '\n'.join(found)
+
+
+def test_every_claim_row_states_a_verdict_bound_to_its_report():
+    # tables only (prose: the test above): a summary table of verdicts binds through the Verdicts blocks,
+    # and a row with no number and no verdict would be skipped, so every row must state its verdict
+    path = REPO / 'docs' / 'results.md'
+    found = problems(path, CLAIMS, prose=False)
+    assert not found, '\n'.join(found)
+    rows = [row for start, _, rows, _ in tables(path) if start in section(path, CLAIMS) for row in rows]
+    assert len(rows) >= 38 and all(VERDICT.search(row[2]) for row in rows), len(rows)
+    readme = (REPO / 'README.md').read_text(encoding='utf-8').split(README_RESULTS, 1)[1]
+    assert f'all {len(rows)},' in readme.split('\n## ', 1)[0]  # the README counts the claims the table has
 
 
 def planted(tmp_path, name, old, new):
