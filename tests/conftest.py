@@ -16,8 +16,9 @@ Fixtures
               tmp_path/out/ckpt.pt (returns the out folder)
 
 Helpers
-  tiny_gpt(seed, training, **cfg)   a tiny GPT: K 2, R 3, C 16, 2 heads, vocabulary V, context T unless cfg
-                                    says otherwise (each test file passes its own shape)
+  tiny_gpt(seed, training, random_norms, **cfg)   a tiny GPT: K 2, R 3, C 16, 2 heads, vocabulary V,
+                                    context T unless cfg says otherwise (each test file passes its own
+                                    shape); random_norms: norm weights and biases not at their init
   run_train(args, cwd)              train.py in this process: (exit code, stdout, stderr)
   run_train_process(args, cwd, hook=..., nproc=...)   train.py as a real process, optionally after a hook
                                     of tests/train_hooks.py and under torchrun
@@ -81,11 +82,20 @@ V, T = 48, 16  # the tiny models' vocabulary and context
 TINY_GPT = dict(vocab_size=V, block_size=T, n_layer=2, n_loop=3, n_head=2, n_embd=16)
 
 
-def tiny_gpt(seed=0, training=True, **cfg):
+def tiny_gpt(seed=0, training=True, random_norms=False, **cfg):
     """A tiny looped GPT of TINY_GPT's shape with cfg's fields on top, its weights drawn after
-    torch.manual_seed(seed): the same arguments give the same weights. training=False: in eval mode."""
+    torch.manual_seed(seed): the same arguments give the same weights. training=False: in eval mode.
+    random_norms: every norm's weight drawn from U(0.5, 1.5) and its bias (if any) from N(0, 0.1^2), so
+    that a norm applied or skipped changes the argmax (at init, weight 1 and no bias only rescale h)."""
     torch.manual_seed(seed)
     model = GPT(check_model(GPTConfig(**{**TINY_GPT, **cfg})))
+    if random_norms:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and m.weight is not None:
+                    m.weight.uniform_(0.5, 1.5)
+                    if getattr(m, 'bias', None) is not None:
+                        m.bias.normal_(0.0, 0.1)
     return model if training else model.eval()
 
 # -----------------------------------------------------------------------------

@@ -287,6 +287,29 @@ def sharp(V=5, R=3):
     return m.eval()
 
 
+def hand_softmax(row, temperature, top_k=None):
+    """exp(l / T) / sum over the top_k largest logits of one row (a list of floats), 0 elsewhere: by hand."""
+    keep = sorted(range(len(row)), key=lambda i: -row[i])[:top_k or len(row)]
+    w = [math.exp(row[i] / temperature) if i in keep else 0.0 for i in range(len(row))]
+    return [x / sum(w) for x in w]
+
+
+@pytest.mark.parametrize('temperature,top_k', [(0.8, None), (2.0, None), (0.5, 3), (1.0, 2), (1.7, 4)])
+def test_sampling_distribution_is_softmax_of_logits_over_temperature(monkeypatch, temperature, top_k):
+    # sample.py's default T = 0.8 sharpens: logits / T, not logits * T (which would sample at 1 / T = 1.25);
+    # top_k keeps the k largest logits and renormalises. The expected rows are computed by hand, and pick
+    # must hand exactly that distribution to the sampler
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0, -2.5], [0.3, 0.2, -0.4, 1.1, -3.0, 2.2]])
+    expected = torch.tensor([hand_softmax(row, temperature, top_k) for row in logits.tolist()])
+    assert torch.allclose(engine.probs(logits.clone(), temperature, top_k), expected, atol=1e-6)
+    seen, multinomial = [], torch.multinomial
+    monkeypatch.setattr(torch, 'multinomial', lambda p, *a, **k: seen.append(p.clone())
+                        or multinomial(p, *a, **k))
+    token = engine.pick(logits.clone(), temperature, top_k)
+    assert torch.allclose(seen[0], expected, atol=1e-6)
+    assert token.shape == (2, 1) and all(expected[b, token[b, 0]] > 0 for b in range(2))  # none cropped
+
+
 def exact_pairs(m, x, n_loop, temperature=1.0, top_k=None):
     """P(t2, t3) (V, V) of tokens 2 and 3 sampled after x (logits / temperature, top_k kept), enumerated."""
     V = m.config.vocab_size

@@ -1,19 +1,25 @@
 """
 Retrofitted recurrence (docs/papers.md §6): a model trained without loops, its layers placed into a looped
-model's prelude, loop and coda. Offline: GPT-2 is a small random transformers.GPT2Config saved to a
-temporary folder and read back through the same path as init_from='gpt2'.
+model's prelude, loop and coda. Offline: GPT-2 is a small random GPT-2 (perturbed biases and LayerNorms,
+weights wide enough that GELU's tanh and exact forms differ) saved to a temporary folder and read back
+through the same path as init_from='gpt2'. With transformers installed (CI) it goes through transformers;
+without it, through a stand-in that serves the same state dict, so that the retrofit, its Conv1D mapping
+and the loop curriculum are tested either way (the logits against GPT-2's forward written out by hand).
 """
+import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import REPO, TINY, cli_env, read_metrics, run_train, train_command, write_data
-from test_reliability import assert_clean_error
+from test_reliability import assert_clean_error, snapshot
 
 from run import checkpoint
 from run import ops
@@ -21,19 +27,75 @@ from run import retrofit
 from configurator import gpt_config
 from model import GPT, GPTConfig
 
-pytest.importorskip('transformers')
+try:
+    import transformers as HF
+except ImportError:
+    HF = None
 SHAPE = dict(vocab_size=50257, n_positions=32, n_embd=16, n_layer=6, n_head=2)  # TINY's width and heads
+GPT2_CONFIG = dict(SHAPE, activation_function='gelu_new', layer_norm_epsilon=1e-5, n_inner=None,
+                   scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+STATE = 'random_gpt2.pt'  # the state dict gpt2_dir also keeps as a torch file, for the stand-in
+
+
+def random_gpt2(seed=0, std=0.5):
+    """A GPT-2 state dict in transformers' names and layouts (Conv1D weights (in, out)), drawn by torch.
+    Weights N(0, std^2): at GPT-2's initializer_range 0.02 the MLP's inputs stay near 0, where GELU's two
+    forms agree to float noise. Biases N(0, 0.1^2), LayerNorm weights 1 + N(0, 0.2^2), their biases
+    N(0, 0.2^2): a bias or a norm weight dropped moves the logits."""
+    g = torch.Generator().manual_seed(seed)
+    C, V, P = SHAPE['n_embd'], SHAPE['vocab_size'], SHAPE['n_positions']
+    normal = lambda *shape, std=std, mean=0.0: mean + std * torch.randn(*shape, generator=g)
+    sd = {'transformer.wte.weight': normal(V, C), 'transformer.wpe.weight': normal(P, C)}
+    for i in range(SHAPE['n_layer']):
+        h = f'transformer.h.{i}.'
+        for ln in ('ln_1', 'ln_2'):
+            sd |= {h + ln + '.weight': normal(C, std=0.2, mean=1.0), h + ln + '.bias': normal(C, std=0.2)}
+        for name, n_in, n_out in (('attn.c_attn', C, 3 * C), ('attn.c_proj', C, C), ('mlp.c_fc', C, 4 * C),
+                                  ('mlp.c_proj', 4 * C, C)):
+            sd |= {h + name + '.weight': normal(n_in, n_out), h + name + '.bias': normal(n_out, std=0.1)}
+    sd |= {'transformer.ln_f.weight': normal(C, std=0.2, mean=1.0),
+           'transformer.ln_f.bias': normal(C, std=0.2)}
+    return sd | {'lm_head.weight': sd['transformer.wte.weight']}  # GPT-2's head is tied to wte
 
 
 @pytest.fixture(scope='module')
 def gpt2_dir(tmp_path_factory):
-    """A random GPT-2 of 6 layers, saved as save_pretrained writes it (what from_pretrained reads)."""
-    path = tmp_path_factory.mktemp('gpt2')
-    torch.manual_seed(0)
-    with retrofit.hf_imports('test') as transformers:
-        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**SHAPE))
+    """random_gpt2 saved as save_pretrained writes it (what from_pretrained reads) where transformers is
+    installed, and as a torch file (STATE) for the stand-in either way."""
+    path, sd = tmp_path_factory.mktemp('gpt2'), random_gpt2()
+    torch.save(sd, path / STATE)
+    if HF is not None:
+        hf = HF.GPT2LMHeadModel(HF.GPT2Config(**GPT2_CONFIG))
+        missing, unexpected = hf.load_state_dict(sd, strict=False)
+        assert not unexpected and not [k for k in missing if not k.endswith(('attn.bias', 'masked_bias'))]
         hf.save_pretrained(path)
+    else:  # what save_pretrained writes beside the weights, and what marks a folder as a saved GPT-2
+        (path / 'config.json').write_text(json.dumps(dict(GPT2_CONFIG, model_type='gpt2')))
     return str(path)
+
+
+@pytest.fixture(scope='module')
+def gpt2_state(gpt2_dir):
+    return torch.load(os.path.join(gpt2_dir, STATE), weights_only=True)
+
+
+def stand_in():
+    """The part of transformers that retrofit.gpt2_source uses, serving a folder's STATE as GPT-2's."""
+    def from_pretrained(name, local_files_only=False):
+        if not os.path.isfile(os.path.join(name, STATE)):
+            raise OSError(f"{name} does not appear to have a file named {STATE}")
+        sd = torch.load(os.path.join(name, STATE), weights_only=True)
+        return types.SimpleNamespace(config=types.SimpleNamespace(**GPT2_CONFIG), state_dict=lambda: sd)
+    module = types.ModuleType('transformers')
+    module.GPT2LMHeadModel = types.SimpleNamespace(from_pretrained=from_pretrained)
+    module.utils = types.SimpleNamespace(logging=types.SimpleNamespace(disable_progress_bar=lambda: None))
+    return module
+
+
+@pytest.fixture(autouse=True)
+def transformers_or_its_stand_in(monkeypatch):
+    if HF is None:
+        monkeypatch.setitem(sys.modules, 'transformers', stand_in())
 
 
 def hf_model(path):
@@ -56,7 +118,47 @@ def all_logits(model, idx):
     return model.lm_head(model.coda_readout(out.states[-1], len(out.states)))
 
 
-@pytest.mark.parametrize('split', [{}, dict(n_prelude=2, n_layer=2, n_coda=2)], ids=['all_looped', '2_2_2'])
+def gpt2_by_hand(sd, idx):
+    """GPT-2's logits (B, T, V) written out from its state dict, in float64: LayerNorms with their biases
+    (eps 1e-5), Conv1D as x @ W + b, causal attention, GELU's tanh form, the head tied to wte."""
+    w = lambda k: sd['transformer.' + k].double()
+    C, nh, (B, T) = SHAPE['n_embd'], SHAPE['n_head'], idx.shape
+
+    def ln(x, k):
+        mu, var = x.mean(-1, keepdim=True), ((x - x.mean(-1, keepdim=True)) ** 2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + 1e-5) * w(k + '.weight') + w(k + '.bias')
+    conv = lambda x, k: x @ w(k + '.weight') + w(k + '.bias')
+    gelu = lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    heads = lambda t: t.reshape(B, T, nh, C // nh).transpose(1, 2)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    x = w('wte.weight')[idx] + w('wpe.weight')[:T]
+    for i in range(SHAPE['n_layer']):
+        h = f'h.{i}.'
+        q, k, v = map(heads, conv(ln(x, h + 'ln_1'), h + 'attn.c_attn').split(C, dim=-1))
+        att = (q @ k.transpose(-1, -2) / math.sqrt(C // nh)).masked_fill(future, -math.inf).softmax(-1)
+        x = x + conv((att @ v).transpose(1, 2).reshape(B, T, C), h + 'attn.c_proj')
+        x = x + conv(gelu(conv(ln(x, h + 'ln_2'), h + 'mlp.c_fc')), h + 'mlp.c_proj')
+    return ln(x, 'ln_f') @ w('wte.weight').T
+
+
+SPLITS = [{}, dict(n_prelude=2, n_layer=2, n_coda=2)]
+
+
+@pytest.mark.parametrize('split', SPLITS, ids=['all_looped', '2_2_2'])
+def test_unrolled_gpt2_logits_equal_gpt2_written_out(gpt2_dir, gpt2_state, split):
+    # n_loop = 1 with every layer placed in order is GPT-2 itself: its Conv1D weights transposed into
+    # nn.Linear, its biases, tanh GELU and LayerNorms (weights and biases), to float tolerance. The random
+    # GPT-2's biases and norms are perturbed and its MLP inputs wide: a bias dropped or the exact GELU
+    # moves these logits far past the tolerance (without transformers too)
+    model, _ = retrofitted(retrofit.gpt2_source(gpt2_dir), n_loop=1, **split)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, SHAPE['vocab_size'], (2, SHAPE['n_positions']), generator=gen)
+    ref = gpt2_by_hand(gpt2_state, idx)
+    torch.testing.assert_close(all_logits(model, idx).double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(HF is None, reason="transformers is not installed (CI installs it)")
+@pytest.mark.parametrize('split', SPLITS, ids=['all_looped', '2_2_2'])
 def test_unrolled_gpt2_logits_equal_transformers(gpt2_dir, split):
     # n_loop = 1 with every layer placed in order is GPT-2 itself: its Conv1D weights transposed into
     # nn.Linear, its biases, tanh GELU and LayerNorms, to float tolerance
@@ -68,13 +170,13 @@ def test_unrolled_gpt2_logits_equal_transformers(gpt2_dir, split):
     torch.testing.assert_close(all_logits(model, idx), ref, atol=2e-5, rtol=1e-5)
 
 
-def test_the_loop_takes_the_layers_just_before_the_coda(gpt2_dir):
+def test_the_loop_takes_the_layers_just_before_the_coda(gpt2_dir, gpt2_state):
     # McLeish et al.'s placement: prelude the first P, coda the last C, the loop the L before the coda,
     # the layers between prelude and loop dropped
     assert retrofit.placement(6, 1, 2, 1) == ([0], [3, 4], [5], [1, 2])
     source = retrofit.gpt2_source(gpt2_dir)
     model, notes = retrofitted(source, n_prelude=1, n_layer=2, n_coda=1, n_loop=4, injection='concat')
-    t, sd = model.transformer, hf_model(gpt2_dir).state_dict()
+    t, sd = model.transformer, gpt2_state
     hf = lambda i, name: sd[f'transformer.h.{i}.{name}']
     same = lambda block, i: torch.equal(block.attn.c_attn.weight, hf(i, 'attn.c_attn.weight').t()) \
         and torch.equal(block.mlp.c_proj.bias, hf(i, 'mlp.c_proj.bias'))
@@ -151,6 +253,64 @@ def test_train_py_retrofits_gpt2_and_refuses_a_split_that_does_not_fit(gpt2_dir,
     assert_clean_error(code, err, 'tokenizer')
     code, out, err = run_train([*TINY, '--init_from=no-such-folder', '--out_dir=x'], tmp_path)
     assert_clean_error(code, err, "init_from='no-such-folder'", 'gpt2')
+
+
+@pytest.mark.parametrize('init_from', ['scratch', 'gpt2', 'gpt2-xl', 'unique', 'saved/gpt2'])
+def test_no_init_from_kind_starts_a_new_run_over_an_earlier_checkpoint(tmp_path, capsys, init_from):
+    # a forgotten --init_from=resume: a new run (from scratch, from GPT-2 by name or from a folder) would
+    # write over out_dir's checkpoint at its first eval. Only a resume or an eval-only run may go on there
+    path = tmp_path / 'out' / 'ckpt.pt'
+    path.parent.mkdir()
+    path.write_bytes(b'an earlier run')
+    with pytest.raises(SystemExit):
+        checkpoint.refuse_overwrite(str(path), init_from, eval_only=False)
+    assert 'already exists' in capsys.readouterr().err
+    checkpoint.refuse_overwrite(str(path), 'resume', eval_only=False)
+    checkpoint.refuse_overwrite(str(path), init_from, eval_only=True)
+    checkpoint.refuse_overwrite(str(tmp_path / 'new' / 'ckpt.pt'), init_from, eval_only=False)
+
+
+@pytest.mark.parametrize('kind', ['scratch', 'nanoloop_folder', 'gpt2_folder', 'gpt2_by_name'])
+def test_train_py_refuses_every_init_from_kind_over_an_earlier_checkpoint(kind, gpt2_dir, tmp_path,
+                                                                        monkeypatch):
+    # through train.py: the source is read, then the run refused in one line before it writes anything.
+    # GPT-2 by name reads the random GPT-2's folder (offline: the hub is not asked)
+    write_data(tmp_path)
+    write_gpt2_data(tmp_path)
+    if kind == 'nanoloop_folder':
+        unique = [*TINY, '--n_layer=4', '--n_loop=1', '--max_iters=2', '--out_dir=u']
+        code, _, err = run_train(unique, tmp_path)
+        assert code == 0, err
+    real = retrofit.gpt2_source
+    monkeypatch.setattr(retrofit, 'gpt2_source', lambda name: real(gpt2_dir) | {'name': name})
+    src, data = {'scratch': ('scratch', 'tiny'), 'nanoloop_folder': ('u', 'tiny'),
+                 'gpt2_folder': (gpt2_dir, 'tok'), 'gpt2_by_name': ('gpt2', 'tok')}[kind]
+    ckpt = tmp_path / 'x' / 'ckpt.pt'
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b'an earlier run')
+    before = snapshot(ckpt)
+    args = [*TINY, f'--dataset={data}', f'--init_from={src}', *RETROFIT, '--max_iters=2', '--out_dir=x']
+    code, out, err = run_train(args, tmp_path)
+    assert_clean_error(code, err, 'already exists', '--init_from=resume')
+    assert snapshot(ckpt) == before
+
+
+def test_train_py_ramps_each_steps_loop_count_over_its_share_of_max_iters(tmp_path, monkeypatch):
+    # loop_schedule is a share of max_iters, not a step count: 0.5 of 14 steps ramps the loop count over
+    # steps 0-6 (the mean 1 + 3 it / 7, rounded: 1.00 1.43 1.86 2.29 2.71 3.14 3.57), then n_loop = 4.
+    # Recorded at the model's training forwards, step by step, through train.py itself
+    seen, forward = [], GPT.forward
+
+    def spy(self, idx, targets=None, n_loop=None):
+        if self.training and targets is not None:
+            seen.append(n_loop)
+        return forward(self, idx, targets, n_loop)
+    monkeypatch.setattr(GPT, 'forward', spy)
+    write_data(tmp_path)
+    args = [*TINY, '--n_loop=4', '--loop_schedule=0.5', '--max_iters=14', '--eval_interval=14', '--out_dir=c']
+    code, out, err = run_train(args, tmp_path)
+    assert code == 0, err
+    assert seen == [1, 1, 2, 2, 3, 3, 4] + [4] * 7
 
 
 def test_without_transformers_init_from_gpt2_is_one_line(monkeypatch, capsys):
