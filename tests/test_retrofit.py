@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import types
 
 import numpy as np
@@ -428,3 +429,17 @@ def test_a_gpt2_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
         retrofit.gpt2_source(str(tmp_path))
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'could not load it' in err and 'save_pretrained' in err
+
+
+@pytest.mark.parametrize('env', [dict(HF_HUB_OFFLINE='1'), dict(HF_ENDPOINT='http://127.0.0.1:9')],
+                         ids=['HF_HUB_OFFLINE', 'hub unreachable'])
+def test_offline_init_from_gpt2_fails_in_seconds_not_after_the_hubs_retries(tmp_path, env):
+    # transformers retries an unreachable hub for ~25-45 s; with none reachable only its cache is read
+    code = "from run.retrofit import gpt2_source; gpt2_source('gpt2')"
+    env = {**os.environ, 'HF_HOME': str(tmp_path / 'hf'), 'PYTHONPATH': str(REPO), **env}
+    env.pop('HF_HUB_OFFLINE', None) if 'HF_ENDPOINT' in env else None
+    t0 = time.time()
+    r = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'save_pretrained' in r.stderr, r.stderr
+    assert time.time() - t0 < 15, time.time() - t0  # imports included
