@@ -6,6 +6,7 @@ import ast
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -205,3 +206,14 @@ def test_a_relabelled_readme_link_is_caught():
     for error, (old, new) in RELABELLED.items():
         assert readme.count(old) == 1, f"README.md no longer holds {old!r} once: update '{error}'"
         assert link_problems(readme.replace(old, new), REPO), f"{error}: not caught"
+
+
+def test_ci_fails_when_a_test_it_expects_to_run_skips(tmp_path):
+    # a test of real corpora skips without the offline copies: a pass here, a failure in CI (CI=true)
+    node = 'tests/test_prepare.py::test_input_text_with_the_word_tokenizer'
+    env = {k: v for k, v in os.environ.items() if k not in ('CI', 'NANOLOOP_OFFLINE_DATA')}
+    run = lambda **extra: subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', node],
+                                         cwd=REPO, env={**env, **extra}, capture_output=True, text=True)
+    here, ci = run(), run(CI='true')
+    assert here.returncode == 0 and '1 skipped' in here.stdout, here.stdout[-500:]
+    assert ci.returncode == 1 and 'skipped in CI' in ci.stdout, ci.stdout[-500:]

@@ -733,11 +733,14 @@ def test_deeploop_verdicts_are_the_rules_on_the_committed_runs(tmp_path):
     # assets/runs/deeploop holds every run's metrics: rebuilding the report gives its Verdicts block
     import subprocess
     import sys
-    if not (REPO / 'data' / 'shakespeare_char' / 'meta.json').is_file():
-        pytest.skip("the unigram floor needs data/shakespeare_char (python prepare.py shakespeare_char)")
-    subprocess.run([sys.executable, 'lab/ablate.py', 'deeploop', '--report_only', '--seeds=1,2,3',
-                    '--out', 'assets/runs/deeploop', '--report_dir', str(tmp_path)], cwd=REPO, check=True,
-                   capture_output=True)
+    from conftest import real_data
+    cwd = real_data(tmp_path / 'cwd')  # the unigram floor reads data/shakespeare_char
+    if cwd is None:
+        pytest.skip("the unigram floor needs data/shakespeare_char: set NANOLOOP_OFFLINE_DATA or run python "
+                    "prepare.py shakespeare_char")
+    subprocess.run([sys.executable, str(REPO / 'lab' / 'ablate.py'), 'deeploop', '--report_only', '--seeds=1,2,3',
+                    '--out', str(REPO / 'assets' / 'runs' / 'deeploop'), '--report_dir', str(tmp_path)], cwd=cwd,
+                   check=True, capture_output=True)
     rebuilt = (tmp_path / 'deeploop.md').read_text(encoding='utf-8').splitlines()
     i = rebuilt.index('### Verdicts') + 2
     assert rebuilt[i:i + len(report_block('deeploop'))] == report_block('deeploop')

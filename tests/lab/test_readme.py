@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from conftest import OFFLINE, REPO, run_train
+from conftest import REPO, real_data, run_train
 
 RUN = REPO / 'assets' / 'runs' / 'readme_default'
 FP32, BF16 = RUN / 'metrics.jsonl', RUN / 'metrics_bf16.jsonl'
@@ -42,16 +42,6 @@ def readme_evals():
     cut = block.index('...')
     return block[:cut], block[cut + 1:]
 
-
-def real_data(tmp_path):
-    """A folder whose data/shakespeare_char is the real one: prepared here from the offline copy CI passes
-    in, else the repository's own (python prepare.py shakespeare_char); None if neither is here."""
-    source = OFFLINE / 'tinyshakespeare' / 'input.txt' if OFFLINE else None
-    if source is not None and source.is_file():
-        from prepare import prepare
-        prepare('shakespeare_char', input_path=str(source), out_dir=str(tmp_path / 'data'))
-        return tmp_path
-    return REPO if (REPO / 'data' / 'shakespeare_char' / 'meta.json').is_file() else None
 
 
 def test_readme_eval_block_is_the_committed_runs_first_and_last_eval():
