@@ -182,6 +182,20 @@ def test_prompts_take_their_passes_a_batch_at_a_time_while_rows_free_one_by_one(
         assert (out, u) == alone(m, p, 6, **kw)
 
 
+def test_a_prompt_pass_runs_at_most_batch_size_rows_when_slid_windows_wait_beside_free_rows(monkeypatch):
+    # prompts near the block size (16) slide while others finish: the rows whose window slid pass first,
+    # and new prompts fill only what is left of the batch; each request decodes as alone
+    m, ps = tiny(), prompts(lengths=(14, 3, 15, 2, 13, 4, 12, 5), seed=2)
+    sizes, decode_step = [], batching.decode_step
+    monkeypatch.setattr(batching, 'decode_step', lambda m, idx, *a: sizes.append(idx.size(0))
+                        or decode_step(m, idx, *a))
+    kw = dict(exit_threshold=0.06)
+    outs, used, stats = serve(m, ps, 10, Decoding(batch_size=2, temperature=0, **kw))
+    assert stats['refills'] > 0 and max(sizes) <= 2, sizes
+    for p, out, u in zip(ps, outs, used):
+        assert (out, u) == alone(m, p, 10, **kw)
+
+
 @pytest.mark.parametrize('kw,says', [(dict(hyper_lanes=2, inter_loop_norm='rmsnorm'), 'hyper-connections'),
                                      (dict(injection='iso'), "injection='iso'"),
                                      (dict(n_expert=4, tied_routing=True), 'tied routing')])

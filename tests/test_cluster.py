@@ -130,6 +130,7 @@ def test_a_second_signal_during_the_save_leaves_a_checkpoint_that_loads_and_resu
 
 def test_init_from_auto_starts_from_scratch_then_resumes(tmp_path):
     write_data(tmp_path)
+    (tmp_path / 'out').mkdir()  # a job script made the folder for its logs: no ckpt.pt, nothing to resume
     args = [*TINY, '--eval_interval=2', '--out_dir=out', '--init_from=auto']
     code, out, err = run_train([*args, '--max_iters=2'], tmp_path)
     assert code == 0, err

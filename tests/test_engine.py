@@ -84,7 +84,8 @@ def visits(m, cache, tok, pos, R):
 
 
 @pytest.mark.parametrize('kw', [dict(inter_loop_norm='layernorm', n_coda=1),
-                                dict(injection='add', n_prelude=1)])
+                                dict(injection='add', n_prelude=1),
+                                dict(pos='rope', injection='add')])  # keys rotated at their own position
 @pytest.mark.parametrize('policy,kv_slots', [('recompute', None), ('copy', None), ('active', None),
                                              ('shared', 2), ('shared', 3)])
 def test_a_row_exiting_at_a_middle_loop_leaves_in_every_slot_what_its_policy_says(kw, policy, kv_slots,
@@ -154,6 +155,23 @@ def test_batched_exits_under_each_policy_equal_decoding_each_row_alone(policy):
     for b in range(4):
         alone, alone_used, _ = generate(m, x[b:b + 1], 8, Decoding(**kw))
         assert torch.equal(alone[0], both[b]) and torch.equal(alone_used[0], used[b]), b
+
+
+def test_a_score_that_reaches_the_threshold_exactly_exits_there():
+    # the rule is score >= threshold: a threshold set to exit 1's own maxprob stops the token at loop 1, and
+    # the next float32 above it does not
+    m, x, R = tiny(), prompts(B=1), 4
+
+    def step(threshold):  # the last token of x after a fresh cache of the others: (logits, loops used)
+        cache = KVCache(m, 1, R, 'cpu', torch.float32)
+        decode_step(m, x[:, :-1], cache, 0, R)
+        return adaptive_forward(m, x[:, -1:], cache, x.size(1) - 1, R, threshold, 'maxprob')
+
+    logits, used = step(0.0)  # every maxprob is > 0: exit 1's logits
+    score = exits.exit_score(logits, 'maxprob')[0]
+    above = float(torch.nextafter(score, torch.tensor(1.0)))
+    assert used.tolist() == [1.0] and step(float(score))[1].tolist() == [1.0]
+    assert step(above)[1].item() > 1
 
 
 def test_active_attention_sees_only_positions_that_reached_the_loop():

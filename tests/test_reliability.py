@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import (REPO, TINY, cli_env, read_metrics, run_train, run_train_process, skip_without_torchrun,
-                      train_command, write_data)
+                      tiny_gpt, train_command, write_data)
 from test_train import train_defaults
 
 from run import checkpoint
@@ -125,6 +125,30 @@ def test_a_checkpoint_with_a_retired_setting_is_refused_in_one_line(run_dir, cap
         checkpoint.load(str(path))
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'tie_weights=False' in err and 'no longer implements' in err
+
+
+def test_a_previous_version_checkpoint_with_loop_eps_loads_it_as_loop_lambda(tmp_path):
+    # model.py once named loop_lambda loop_eps: such a checkpoint builds the model it trained, its value kept
+    model = tiny_gpt(loop_lambda=0.5, block='preln')
+    args = {('loop_eps' if k == 'loop_lambda' else k): v for k, v in vars(model.config).items()}
+    path = str(tmp_path / 'ckpt.pt')
+    torch.save({'model': model.state_dict(), 'model_args': args}, path)
+    ckpt = checkpoint.load(path)
+    assert ckpt['model_args']['loop_lambda'] == 0.5 and 'loop_eps' not in ckpt['model_args']
+    assert checkpoint.build_model(ckpt).config.loop_lambda == 0.5
+
+
+@pytest.mark.parametrize('flag,evaluated_at', [({}, 7), ({'evaluated': True}, 7),
+                                               ({'evaluated': False}, None)])
+def test_a_previous_version_checkpoint_was_written_at_an_eval_a_stopped_runs_was_not(flag, evaluated_at):
+    # before the flag existed a checkpoint was written only at an eval: a resume does not evaluate its
+    # iteration again; a checkpoint a signal wrote (evaluated False) is evaluated where the run resumes
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([param])
+    ckpt = {'optimizer': optimizer.state_dict(), 'iter_num': 7, **flag}
+    out = checkpoint.restore(ckpt, 'ckpt.pt', optimizer, torch.amp.GradScaler('cpu', enabled=False), 1, 1,
+                             torch.Generator(), torch.Generator(), eval_only=False)
+    assert out == (7, float('inf'), 0, evaluated_at)
 
 
 def test_print_config_shows_the_resolved_config_and_touches_nothing(tmp_path):

@@ -206,6 +206,36 @@ def test_a_non_looped_nanoloop_checkpoint_retrofits_the_same_way():
         retrofit.nanoloop_source(ckpt, 'looped/ckpt.pt')
 
 
+def test_a_sources_prelude_loop_and_coda_are_its_layers_in_that_order():
+    # a non-looped source with a prelude and a coda of its own is the stack prelude, h, coda: split the same
+    # way again (n_loop = 1) it is the source itself, layer for layer, and its logits are the source's
+    torch.manual_seed(0)
+    args = dict(vars(GPTConfig()), n_prelude=1, n_layer=2, n_coda=1, n_loop=1, n_embd=32, n_head=2,
+                vocab_size=50, mlp='gelu')
+    unique = GPT(gpt_config(args)).eval()
+    source = retrofit.nanoloop_source({'model': unique.state_dict(), 'model_args': args}, 'unique/ckpt.pt')
+    layer = lambda m, part, j: getattr(m.transformer, part)[j].attn.c_attn.weight
+    order = [('prelude', 0), ('h', 0), ('h', 1), ('coda', 0)]
+    assert all(torch.equal(source['blocks'][i]['attn.c_attn.weight'], layer(unique, *at))
+               for i, at in enumerate(order))
+    same, _ = retrofitted(source, n_prelude=1, n_layer=2, n_coda=1, n_loop=1)
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(all_logits(same, idx), all_logits(unique, idx), atol=1e-5, rtol=1e-5)
+
+
+def test_a_shorter_context_keeps_the_sources_first_positions():
+    # block_size below the source's: the learned position table keeps rows 0..block_size-1 (positions
+    # 0.. are the ones a window starts at), as nanoGPT's crop does
+    torch.manual_seed(0)
+    args = dict(vars(GPTConfig()), n_layer=2, n_loop=1, n_embd=32, n_head=2, vocab_size=50, mlp='gelu',
+                pos='learned', block_size=64)
+    unique = GPT(gpt_config(args)).eval()
+    source = retrofit.nanoloop_source({'model': unique.state_dict(), 'model_args': args}, 'unique/ckpt.pt')
+    short, _ = retrofitted(source, block_size=24)
+    wpe = unique.transformer.wpe.weight
+    assert short.config.block_size == 24 and torch.equal(short.transformer.wpe.weight, wpe[:24])
+
+
 def test_the_curriculum_ramps_the_mean_loop_count_from_1_to_R():
     fixed = GPTConfig(n_loop=4)
     counts = [ops.loop_count(fixed, None, it, 60) for it in range(100)]

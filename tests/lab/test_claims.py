@@ -44,6 +44,7 @@ part of it; the minus sign U+2212 reads as '-', and a thousands comma is dropped
 else is rounded or reformatted: 2.592 and 2.59 are different numbers.
 """
 import json
+import math
 import re
 from pathlib import Path
 
@@ -754,6 +755,25 @@ def test_a_difference_of_stuck_shares_has_a_ci_that_stays_in_bounds_and_decides_
     assert weakest(['reproduces', 'inconclusive', 'direction only']) == 'inconclusive'
     assert weakest(['reproduces', 'does not reproduce']) == 'does not reproduce'
     assert weakest([]) == 'not tested'
+
+
+@pytest.mark.parametrize('k1,n1,k2,n2,lo,hi', [(56, 70, 48, 80, 0.0524, 0.3339),
+                                              (9, 10, 3, 10, 0.1705, 0.8090),
+                                              (5, 56, 0, 29, -0.0381, 0.1926)])
+def test_a_difference_of_two_shares_has_newcombes_published_hybrid_score_interval(k1, n1, k2, n2, lo, hi):
+    # Newcombe (1998, Stat. Med. 17:873), Table II, method 10 (Wilson's score interval for each share)
+    from verdict import shares_ci
+    d, got_lo, got_hi = shares_ci(k1, n1, k2, n2)
+    assert d == pytest.approx(k1 / n1 - k2 / n2) and (got_lo, got_hi) == pytest.approx((lo, hi), abs=6e-5)
+
+
+def test_a_bootstrap_ci_of_a_mean_is_the_normal_95_percent_interval_for_many_independent_units():
+    # 400 draws of N(0, 1): the percentile interval of the mean is mean -+ 1.96 sd / sqrt(n) to within the
+    # bootstrap's own noise (a 90 % interval would be 1.645 sd / sqrt(n): 16 % narrower)
+    x = np.random.default_rng(0).standard_normal(400)
+    m, lo, hi = bootstrap_ci([[v] for v in x], lambda g: float(np.mean([v for (v,) in g])))
+    half = 1.96 * float(np.std(x, ddof=1)) / math.sqrt(len(x))
+    assert m == pytest.approx(float(np.mean(x))) and (hi - lo) / 2 == pytest.approx(half, rel=0.06)
 
 
 @pytest.mark.parametrize('name', ['isodepth_grouped', 'runs/isodepth_seeds/isodepth_grouped'])
