@@ -302,6 +302,6 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get('CI') == 'true' and SKIPPED and exitstatus == 0:
-        print(f"\nerror: {len(SKIPPED)} test(s) skipped in CI, which installs every extra and passes the data "
-              f"copies (NANOLOOP_OFFLINE_DATA): {', '.join(SKIPPED[:5])}")
+        print(f"\nerror: {len(SKIPPED)} test(s) skipped in CI, which installs every extra and passes the "
+              f"data copies (NANOLOOP_OFFLINE_DATA): {', '.join(SKIPPED[:5])}")
         session.exitstatus = 1

@@ -212,8 +212,8 @@ def test_ci_fails_when_a_test_it_expects_to_run_skips(tmp_path):
     # a test of real corpora skips without the offline copies: a pass here, a failure in CI (CI=true)
     node = 'tests/test_prepare.py::test_input_text_with_the_word_tokenizer'
     env = {k: v for k, v in os.environ.items() if k not in ('CI', 'NANOLOOP_OFFLINE_DATA')}
-    run = lambda **extra: subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', node],
-                                         cwd=REPO, env={**env, **extra}, capture_output=True, text=True)
+    command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', node]
+    run = lambda **extra: subprocess.run(command, cwd=REPO, env={**env, **extra}, capture_output=True, text=True)
     here, ci = run(), run(CI='true')
     assert here.returncode == 0 and '1 skipped' in here.stdout, here.stdout[-500:]
     assert ci.returncode == 1 and 'skipped in CI' in ci.stdout, ci.stdout[-500:]
