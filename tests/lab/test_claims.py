@@ -740,8 +740,9 @@ def test_deeploop_verdicts_are_the_rules_on_the_committed_runs(tmp_path):
         pytest.skip("the unigram floor needs data/shakespeare_char: set NANOLOOP_OFFLINE_DATA or run python "
                     "prepare.py shakespeare_char")
     runs = str(REPO / 'assets' / 'runs' / 'deeploop')
-    subprocess.run([sys.executable, str(REPO / 'lab' / 'ablate.py'), 'deeploop', '--report_only', '--seeds=1,2,3',
-                    '--out', runs, '--report_dir', str(tmp_path)], cwd=cwd, check=True, capture_output=True)
+    subprocess.run([sys.executable, str(REPO / 'lab' / 'ablate.py'), 'deeploop', '--report_only',
+                    '--seeds=1,2,3', '--out', runs, '--report_dir', str(tmp_path)], cwd=cwd, check=True,
+                   capture_output=True)
     rebuilt = (tmp_path / 'deeploop.md').read_text(encoding='utf-8').splitlines()
     i = rebuilt.index('### Verdicts') + 2
     assert rebuilt[i:i + len(report_block('deeploop'))] == report_block('deeploop')
