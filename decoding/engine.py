@@ -217,12 +217,7 @@ class KVCache:
         filled slots 1..min(k, n) at pos; only the slots past them hold nothing of it."""
         last = min(R, self.n)
         if not torch.is_tensor(exit_k):  # eager decoding: one exit loop and position, rows None or (P,):
-            r = slice(None) if rows is None else rows  # the skipped slots are one slice (15 us, gathered 80)
-            for t, new in ((self.loop_key, key), (self.loop_value, value)) if exit_k < last else ():
-                t = t.view(self.n, self.K, self.B, *t.shape[1:])  # (n, K, B, nh, T, hs): loop k in slot k - 1
-                new = t[exit_k - 1, :, r, :, pos] if new is None else new.transpose(0, 1).to(t.dtype)
-                t[exit_k:last, :, r, :, pos] = new                 # (L, K, P, nh, hs)
-            return
+            return self.fill_slice(rows, pos, exit_k, last, key, value)
         loops = torch.arange(1, last + 1, device=rows.device)
         layers = torch.arange(self.K, device=rows.device)
         entry = lambda k: self.entry(k, rows[:, None])[..., None] + layers * self.B  # (P, L, K) in loop_key
@@ -230,6 +225,17 @@ class KVCache:
         for t, new in ((self.loop_key, key), (self.loop_value, value)):
             new = t[entry(exit_k[:, None]), :, at] if new is None else new[:, None].to(t.dtype)  # (P, 1, K..)
             t[to, :, at] = torch.where(skip, new, t[to, :, at])                               # (P, L, K..)
+
+    def fill_slice(self, rows, pos, exit_k, last, key, value):
+        # fill's write when every row exits at one loop and position: the skipped slots are one slice,
+        # copied in place (15 us at batch 1, d 512, against 80 for the gathered write)
+        if exit_k >= last:  # ('shared': loops past the n slots left nothing to fill)
+            return
+        r = slice(None) if rows is None else rows
+        for t, new in ((self.loop_key, key), (self.loop_value, value)):
+            t = t.view(self.n, self.K, self.B, *t.shape[1:])  # (n, K, B, nh, T, hs): loop k in slot k - 1
+            new = t[exit_k - 1, :, r, :, pos] if new is None else new.transpose(0, 1).to(t.dtype)
+            t[exit_k:last, :, r, :, pos] = new                 # (L, K, P, nh, hs)
 
     def nbytes(self):
         slots = sum(self.slots.values(), [])
