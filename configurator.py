@@ -45,8 +45,6 @@ def first_line(e):
     return f"{type(e).__name__}: {text[0].split('. ')[0][:200]}" if text else type(e).__name__
 
 
-
-
 class Parser(argparse.ArgumentParser):
     """argparse for the command-line tools, with a one-line error (and the nearest flag for a typo) instead
     of argparse's usage block. Flags are written --key=value or --key value; no abbreviations."""
@@ -62,6 +60,7 @@ class Parser(argparse.ArgumentParser):
             near = difflib.get_close_matches(bad, flags, n=1)  # compared without the dashes they all share
             message += f"; did you mean --{near[0]}?" if near else ''
         die(f"{message} (see python {self.prog} --help)")
+
 
 def pick_device(name):
     """(device, device_type) for --device, 'auto' resolved, or a one-line error if this machine does not

@@ -14,12 +14,12 @@ from collections import Counter
 
 import torch
 
-from run import checkpoint, ops
+from configurator import TRAIN_CHOICES, check_flags, configure, die, pick_device
 from decoding.batching import serve
 from decoding.engine import Decoding, generate
-from configurator import TRAIN_CHOICES, check_flags, configure, die, pick_device
 from decoding.exits import EXIT_POLICIES, KV_POLICIES
 from prepare import checkpoint_meta, get_tokenizer
+from run import checkpoint, ops
 
 out_dir = 'out'              # the folder holding ckpt.pt (or a checkpoint file)
 start = '\n'                 # the prompt, or FILE:path to read it from a file

@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from run import checkpoint
 import configurator
-from run import ops
-import prepare
 from model import GPT, GPTConfig
+import prepare
+from run import checkpoint
+from run import ops
 
 # -----------------------------------------------------------------------------
 # default config values: a small looped GPT on shakespeare_char, per-loop CE + RMSNorm readout

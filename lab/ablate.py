@@ -62,13 +62,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+from compute.hardware import auto_dtype
 import configurator
 from configurator import Parser, die, gpt_config, model_keys
-from run.ops import duration
-from compute.hardware import auto_dtype
-from run.accounting import flops_per_token
 from model import GPT, GPTConfig
 from prepare import HF_DATASETS, TEXT_DATASETS, WORD_VOCAB
+from run.accounting import flops_per_token
+from run.ops import duration
 from presets import PRESETS, arm  # arm: lab/isodepth.py's arms are made with it too
 from reports import fmt, read_json, read_metrics, read_status, write_report
 

@@ -62,9 +62,9 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+from compute.hardware import cpu_bf16_units, flush_denormals
 from configurator import Parser, die
 from run.ops import duration
-from compute.hardware import cpu_bf16_units, flush_denormals
 # the rows: bench_train.py (rows 1-3, 6-12), bench_decode.py (4-5, 13-16, 18) and bench_moe.py (17), all
 # measured with bench_timing.py's Run and interleaved timer
 import bench_decode

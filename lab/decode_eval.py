@@ -40,8 +40,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 from run import checkpoint
 from ablate import code_version
-from decoding.engine import KVCache, decode_step, slide
 from configurator import Parser, die
+from decoding.engine import KVCache, decode_step, slide
 from decoding.exits import EXIT_POLICIES, KV_POLICIES, adaptive_step, score_at_exit, score_threshold
 from eval_depth import adaptive_curves, exit_stats, json_safe, quantile_thresholds, val_windows
 from prepare import load_meta

@@ -45,11 +45,11 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+from configurator import Parser, die
+from decoding.exits import EXIT_POLICIES, exit_score, score_at_exit
+from prepare import load_meta, missing_file
 from run import checkpoint
 from run.diagnostics import clamped_states, radial_gradient, visit_alignment
-from decoding.exits import EXIT_POLICIES, exit_score, score_at_exit
-from configurator import Parser, die
-from prepare import load_meta, missing_file
 
 TIMED_POLICIES = ('maxprob', 'margin', 'entropy')  # depth_pass drops exited rows: stateless scores only
 

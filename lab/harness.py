@@ -24,12 +24,12 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
-from run import checkpoint
+from configurator import Parser, die, first_line, pick_device
 from decoding.batching import serve
 from decoding.engine import Decoding, generate
-from configurator import Parser, die, first_line, pick_device
-from run.ops import duration
 from prepare import checkpoint_meta, get_tokenizer
+from run import checkpoint
+from run.ops import duration
 
 try:
     import lm_eval

@@ -35,9 +35,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
 LAB = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, LAB)
-from run import checkpoint
 from compute import kernels
 from configurator import Parser, die
+from run import checkpoint
 from eval_depth import cpu_threads, val_windows, write_json
 from prepare import load_meta
 from reports import fmt, mean, plt_or_none, read_json, save, std, verdict_block

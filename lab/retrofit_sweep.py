@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+from configurator import Parser, die, gpt_config, model_keys
 from run import checkpoint
 from run import ops
 from run.accounting import flops_per_token
-from configurator import Parser, die, gpt_config, model_keys
 from eval_depth import val_windows
 from model import GPT
 from prepare import open_data

@@ -34,8 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
-from run import checkpoint
 from configurator import Parser, die
+from run import checkpoint
 from eval_depth import open_checkpoint, val_windows, write_json
 from prepare import load_meta
 

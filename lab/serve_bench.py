@@ -29,14 +29,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the core is one folder up
+from compute.hardware import peak_bandwidth
+from configurator import Parser, die, pick_device
 from decoding import batching
-from run import checkpoint
 from decoding.batching import serve
 from decoding.engine import Decoding, generate
-from configurator import Parser, die, pick_device
-from compute.hardware import peak_bandwidth
 from decoding.exits import EXIT_POLICIES, KV_POLICIES, score_threshold
 from prepare import checkpoint_meta, get_tokenizer
+from run import checkpoint
 from verdict import mean_ci
 
 

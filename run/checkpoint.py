@@ -20,9 +20,9 @@ import random
 import numpy as np
 import torch
 
-from run import retrofit
 from configurator import die, first_line, gpt_config, resume_config
 from model import GPT
+from run import retrofit
 
 
 def save(obj, path):

@@ -28,12 +28,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from run import checkpoint
 from compute import hardware
-from run.accounting import estimate_mfu
-from run.diagnostics import visit_alignment
 import configurator
 from configurator import die, first_line
+from run import checkpoint
+from run.accounting import estimate_mfu
+from run.diagnostics import visit_alignment
 
 
 def ddp():

@@ -4,9 +4,9 @@ prompt. Every row decodes what it would decode alone."""
 import pytest
 import torch
 
+from compute import kernels
 from decoding import batching
 from decoding import exits
-from compute import kernels
 from decoding.batching import serve
 from decoding.engine import Decoding, generate
 from conftest import REPO

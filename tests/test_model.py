@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from compute.hardware import attention_path, auto_dtype, peak_flops
+from compute.kernels import LinearCrossEntropy, attention
 from configurator import MODEL_CHOICES, check_model
 from decoding.engine import Decoding, KVCache, decode_step, generate
 from decoding.exits import THRESHOLD_RANGES, adaptive_step
-from compute.hardware import attention_path, auto_dtype, peak_flops
-from compute.kernels import LinearCrossEntropy, attention
-from run.accounting import estimate_mfu, flops_per_token
 from model import GPTConfig
+from run.accounting import estimate_mfu, flops_per_token
 
 from conftest import T, V, tiny_gpt as tiny  # K 2, R 3, C 16: conftest.TINY_GPT
 

@@ -24,8 +24,8 @@ from test_sample import run_main
 from compute import kernels
 from configurator import check_model
 from decoding.engine import Decoding, generate
-from run.accounting import active_params, flops_per_token
 from model import GPT, MLP, GPTConfig, MoE, Route, activation, router_losses
+from run.accounting import active_params, flops_per_token
 
 MOE = dict(n_expert=4, top_k=2)
 tiny = functools.partial(tiny_gpt, n_embd=32, **MOE)  # K 2, R 3, C 32, 4 experts, top-2

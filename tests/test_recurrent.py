@@ -22,8 +22,8 @@ import eval_depth
 from configurator import check_model
 from decoding.engine import Decoding, generate
 from decoding.exits import score_at_exit, score_threshold
-from run.accounting import flops_per_token
 from model import GPT, GPTConfig, exit_distribution
+from run.accounting import flops_per_token
 
 GOLDEN = os.path.join(REPO, 'tests', 'data', 'golden_metrics.json')
 

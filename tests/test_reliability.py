@@ -21,9 +21,9 @@ from conftest import (REPO, TINY, cli_env, read_metrics, run_train, run_train_pr
                       tiny_gpt, train_command, write_data)
 from test_train import train_defaults
 
-from run import checkpoint
 import configurator
 import prepare
+from run import checkpoint
 
 
 def snapshot(path):

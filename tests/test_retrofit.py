@@ -22,11 +22,11 @@ import torch
 from conftest import REPO, TINY, cli_env, read_metrics, run_train, train_command, write_data
 from test_reliability import assert_clean_error, snapshot
 
+from configurator import gpt_config
+from model import GPT, GPTConfig
 from run import checkpoint
 from run import ops
 from run import retrofit
-from configurator import gpt_config
-from model import GPT, GPTConfig
 
 try:
     import transformers as HF

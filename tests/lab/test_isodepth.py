@@ -23,8 +23,8 @@ from test_reliability import assert_clean_error
 import isodepth
 import isodepth_fit
 import isodepth_report
-from run.accounting import flops_per_token, param_counts
 from model import GPT, GPTConfig
+from run.accounting import flops_per_token, param_counts
 
 C = 16
 BLOCK = 2 * C + 16 * C * C  # swiglu: two norm gains, 4 C^2 attention, 12 C^2 MLP
