@@ -60,6 +60,24 @@ def compiled(device_type):
     # a replay writes its outputs where the last one did, and serve keeps h, loops and prev for the next call
     return lambda *args: tuple(t if t is None else t.clone() for t in graphs(*args))
 
+
+class FirstCalls:
+    """A compiled step whose first call at each batch size is timed apart: torch.compile compiles a graph
+    then, so a decoding rate leaves those seconds out (sample.py prints them beside it)."""
+
+    def __init__(self, run):
+        self.run, self.sizes, self.seconds = run, set(), 0.0
+
+    def __call__(self, model, cache, f, *args):
+        if len(f.held) in self.sizes:
+            return self.run(model, cache, f, *args)
+        t0 = time.perf_counter()
+        out = self.run(model, cache, f, *args)
+        out[-1].cpu()  # (a GPU runs the call asynchronously: wait for it)
+        self.sizes.add(len(f.held))
+        self.seconds += time.perf_counter() - t0
+        return out
+
 # -----------------------------------------------------------------------------
 # scheduling: the requests, the places in flight, the prompt passes
 
@@ -176,8 +194,7 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
                     model.lm_head.weight.dtype, o.kv_policy, o.kv_slots)
     req = Requests(prompts, cache.B, max_new_tokens, model.config.block_size)
     f, free, pending, calls, ran, passes = Flight(model, B), list(range(B)), [], 0, 0, 0
-    run = compiled(cache.loop_key.device.type) if o.compile else step
-    shapes, compiling = set(), 0.0  # the batch shapes run, the seconds of their first calls
+    run = FirstCalls(compiled(cache.loop_key.device.type)) if o.compile else step
     while max_new_tokens and (free or f.held):
         while len(req.ready) < len(free) and (req.waiting or req.queue):  # passed rows for the free places
             pending = fill_pending(model, cache, pending, R)  # before a pass writes over a done row's
@@ -186,13 +203,9 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
         req.ready = f.place(model, cache, free, req.ready)
         if not f.held:
             break
-        t0 = time.perf_counter()
         f.h, f.loops, f.prev, logits, done = run(model, cache, f, R, threshold, o.exit_policy)
         calls, ran = calls + 1, ran + len(f.held)
-        out = done.nonzero().squeeze(1)  # (on the host: the call has run)
-        if o.compile and len(f.held) not in shapes:  # a new batch shape: torch.compile compiled its graph
-            shapes.add(len(f.held))
-            compiling += time.perf_counter() - t0
+        out = done.nonzero().squeeze(1)
         early, stale = out[f.loops[out] < R], bool(pending)  # a skipped slot is first read two calls on
         pending.append((f.rows[early], f.h[early], f.e[early], f.loops[early], f.pos[early]))
         pending = fill_pending(model, cache, pending, R) if stale else pending
@@ -203,4 +216,4 @@ def serve(model, prompts, max_new_tokens, opts=Decoding()):
                 back.append((f.held[place], t, pos))
         req.ready[:0] = back
     return req.tokens, req.used, dict(calls=calls, refills=req.refills, passes=passes,
-                                      full=ran / max(1, B * calls), compiling=compiling)
+                                      full=ran / max(1, B * calls), compiling=getattr(run, 'seconds', 0.0))
